@@ -1,0 +1,82 @@
+"""asyncio client over ``grpc.aio``; same methods as :class:`SidecarClient`, awaitable."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from types import TracebackType
+from typing import Any
+
+import grpc
+
+from sidecar_client import _core
+from sidecar_client._models import ModelInfo, TokenizeResult
+from sidecar_client.errors import translate
+from tokcache.v1 import tokenizer_pb2 as pb
+from tokcache.v1 import tokenizer_pb2_grpc as pb_grpc
+
+__all__ = ["AsyncSidecarClient"]
+
+
+class AsyncSidecarClient:
+    """Talks to a tokcache sidecar from one event loop (create it inside the loop)."""
+
+    def __init__(self, address: str | None = None, *, timeout: float | None = 30.0,
+                 metadata: Sequence[tuple[str, str]] | None = None) -> None:
+        self.address = address or _core.default_address()
+        self.timeout = timeout
+        self._metadata = tuple(metadata or ())
+        self._channel = grpc.aio.insecure_channel(_core.channel_target(self.address),
+                                                  options=_core.CHANNEL_OPTIONS)
+        self._stub = pb_grpc.TokenizerStub(self._channel)
+
+    async def tokenize(self, model: str, *, text: str | None = None,
+                       messages: Sequence[Mapping[str, Any]] | None = None,
+                       tools: Sequence[Mapping[str, Any]] | None = None, add_generation_prompt: bool = False,
+                       continue_final_message: bool = False,
+                       chat_template_kwargs: Mapping[str, Any] | None = None,
+                       add_special_tokens: bool | None = None, cache_salt: str | None = None,
+                       mode: str | None = None, return_prompt_text: bool = False,
+                       timeout: float | None = None) -> TokenizeResult:
+        """See :meth:`SidecarClient.tokenize`."""
+        req = _core.build_tokenize(model, text=text, messages=messages, tools=tools,
+                                   add_generation_prompt=add_generation_prompt,
+                                   continue_final_message=continue_final_message,
+                                   chat_template_kwargs=chat_template_kwargs,
+                                   add_special_tokens=add_special_tokens, cache_salt=cache_salt, mode=mode,
+                                   return_prompt_text=return_prompt_text)
+        resp = await self._call(self._stub.Tokenize, req, timeout)
+        return _core.read_tokenize(resp, return_prompt_text)
+
+    async def render(self, model: str, messages: Sequence[Mapping[str, Any]], *,
+                     tools: Sequence[Mapping[str, Any]] | None = None, add_generation_prompt: bool = False,
+                     continue_final_message: bool = False,
+                     chat_template_kwargs: Mapping[str, Any] | None = None,
+                     timeout: float | None = None) -> str:
+        """See :meth:`SidecarClient.render`."""
+        chat = _core.build_chat(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                continue_final_message=continue_final_message,
+                                chat_template_kwargs=chat_template_kwargs)
+        resp = await self._call(self._stub.Render, pb.RenderRequest(model=model, chat=chat), timeout)
+        return str(resp.prompt_text)
+
+    async def list_models(self, *, timeout: float | None = None) -> list[ModelInfo]:
+        """See :meth:`SidecarClient.list_models`."""
+        return _core.read_models(await self._call(self._stub.ListModels, pb.ListModelsRequest(), timeout))
+
+    async def _call(self, method: Any, req: Any, timeout: float | None) -> Any:
+        try:
+            return await method(req, timeout=timeout if timeout is not None else self.timeout,
+                                metadata=self._metadata or None)
+        except grpc.RpcError as exc:
+            raise translate(exc) from exc
+
+    async def close(self) -> None:
+        """Close the channel; idempotent."""
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncSidecarClient:
+        return self
+
+    async def __aexit__(self, t: type[BaseException] | None, e: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.close()

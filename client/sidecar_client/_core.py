@@ -1,0 +1,190 @@
+"""What the sync and async clients share: building requests, reading responses.
+
+No I/O here. Messages are OpenAI-style dicts; they are validated before
+sending so a bad field is reported without a round trip, with the same field
+names the server uses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from array import array
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from sidecar_client._models import CacheDecision, ModelInfo, TokenizeResult
+from sidecar_client.errors import InvalidArgumentError
+from tokcache.v1 import tokenizer_pb2 as pb
+
+__all__ = ["ADDRESS_ENV", "build_chat", "build_tokenize", "channel_target", "default_address",
+           "read_models", "read_tokenize"]
+
+ADDRESS_ENV = "TOKCACHE_ADDRESS"
+DEFAULT_ADDRESS = "unix:///run/tokcache/tokcache.sock"
+
+_MODES = {None: pb.TOKENIZE_MODE_UNSPECIFIED, "kv-stable": pb.TOKENIZE_MODE_KV_STABLE,
+          "exact": pb.TOKENIZE_MODE_EXACT}
+_SOURCES = {pb.CACHE_SOURCE_MISS: "miss", pb.CACHE_SOURCE_L0: "l0", pb.CACHE_SOURCE_L1: "l1",
+            pb.CACHE_SOURCE_AR: "ar"}
+_TYPED_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content"}
+
+# Channel options: large prompts, and no proxy lookups for a local socket.
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 64 << 20),
+    ("grpc.enable_http_proxy", 0),
+]
+
+
+def default_address() -> str:
+    """``$TOKCACHE_ADDRESS`` or the conventional socket path."""
+    return os.environ.get(ADDRESS_ENV) or DEFAULT_ADDRESS
+
+
+def channel_target(address: str) -> str:
+    """Accept ``unix:///p``, ``unix:p``, ``HOST:PORT``, and a bare ``/path.sock``."""
+    if address.startswith("/"):
+        return "unix://" + address
+    return address
+
+
+def _bad(field: str, message: str) -> InvalidArgumentError:
+    return InvalidArgumentError(f"{field}: {message}", field=field)
+
+
+def _message(m: Any, i: int) -> pb.ChatMessage:
+    where = f"chat.messages[{i}]"
+    if not isinstance(m, Mapping):
+        raise _bad(where, f"expected a mapping, got {type(m).__name__}")
+    role = m.get("role")
+    if not isinstance(role, str) or not role:
+        raise _bad(f"{where}.role", "is required (a non-empty string)")
+    msg = pb.ChatMessage(role=role)
+    content = m.get("content")
+    if isinstance(content, str):
+        msg.content = content
+    elif isinstance(content, Sequence) and not isinstance(content, (bytes, bytearray)):
+        parts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, Mapping) or not isinstance(part.get("text", ""), str):
+                raise _bad(f"{where}.content[{j}]", "expected {'type': 'text', 'text': str}")
+            parts.append(pb.ContentPart(type=str(part.get("type", "")), text=part.get("text", "")))
+        msg.content_parts.parts.extend(parts)
+        msg.content_parts.SetInParent()
+    elif content is not None:
+        raise _bad(f"{where}.content", f"expected str, list of parts or None, got {type(content).__name__}")
+    for key in ("name", "tool_call_id", "reasoning_content"):
+        value = m.get(key)
+        if value is not None:
+            if not isinstance(value, str):
+                raise _bad(f"{where}.{key}", f"expected str, got {type(value).__name__}")
+            setattr(msg, key, value)
+    calls = m.get("tool_calls")
+    if calls:
+        if not isinstance(calls, Sequence):
+            raise _bad(f"{where}.tool_calls", "expected a list")
+        for j, call in enumerate(calls):
+            if not isinstance(call, Mapping):
+                raise _bad(f"{where}.tool_calls[{j}]", "expected a mapping")
+            fn = call.get("function") or {}
+            if not isinstance(fn, Mapping):
+                raise _bad(f"{where}.tool_calls[{j}].function", "expected a mapping")
+            tc = msg.tool_calls.add(id=str(call.get("id") or ""), type=str(call.get("type") or "function"))
+            tc.function.name = str(fn.get("name") or "")
+            args = fn.get("arguments")
+            if isinstance(args, str):
+                tc.function.arguments = args
+            elif isinstance(args, Mapping):
+                tc.function.arguments_json = json.dumps(args, ensure_ascii=False)
+            elif args is not None:
+                raise _bad(f"{where}.tool_calls[{j}].function.arguments", "expected str or mapping")
+    extra = {k: v for k, v in m.items() if k not in _TYPED_KEYS}
+    if extra:
+        try:
+            msg.extra_json = json.dumps(extra, ensure_ascii=False)
+        except (TypeError, ValueError) as exc:
+            raise _bad(f"{where}", f"extra keys are not JSON-serialisable: {exc}") from exc
+    return msg
+
+
+def build_chat(messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Mapping[str, Any]] | None,
+               add_generation_prompt: bool, continue_final_message: bool,
+               chat_template_kwargs: Mapping[str, Any] | None) -> pb.ChatInput:
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
+        raise _bad("chat.messages", "expected a non-empty list of messages")
+    chat = pb.ChatInput(
+        messages=[_message(m, i) for i, m in enumerate(messages)],
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+    )
+    try:
+        if tools:
+            chat.tools_json = json.dumps(list(tools), ensure_ascii=False)
+        if chat_template_kwargs:
+            chat.chat_template_kwargs_json = json.dumps(dict(chat_template_kwargs), ensure_ascii=False)
+    except (TypeError, ValueError) as exc:
+        raise _bad("chat.tools", f"not JSON-serialisable: {exc}") from exc
+    return chat
+
+
+def build_tokenize(model: str, *, text: str | None, messages: Sequence[Mapping[str, Any]] | None,
+                   tools: Sequence[Mapping[str, Any]] | None, add_generation_prompt: bool,
+                   continue_final_message: bool, chat_template_kwargs: Mapping[str, Any] | None,
+                   add_special_tokens: bool | None, cache_salt: str | None, mode: str | None,
+                   return_prompt_text: bool) -> pb.TokenizeRequest:
+    if not isinstance(model, str) or not model:
+        raise _bad("model", "is required")
+    if (text is None) == (messages is None):
+        raise _bad("input", "give exactly one of text or messages")
+    if mode not in _MODES:
+        raise _bad("mode", f"expected 'kv-stable' or 'exact', got {mode!r}")
+    req = pb.TokenizeRequest(model=model, cache_salt=cache_salt or "", mode=_MODES[mode],
+                             return_prompt_text=return_prompt_text)
+    if text is not None:
+        if not isinstance(text, str):
+            raise _bad("text", f"expected str, got {type(text).__name__}")
+        req.text = text
+    else:
+        assert messages is not None
+        req.chat.CopyFrom(build_chat(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                     continue_final_message=continue_final_message,
+                                     chat_template_kwargs=chat_template_kwargs))
+    if add_special_tokens is not None:
+        req.add_special_tokens = bool(add_special_tokens)
+    return req
+
+
+def unpack_ids(data: bytes) -> list[int]:
+    """Little-endian uint32 bytes → list of ints."""
+    ids = array("I")
+    ids.frombytes(data)
+    if sys.byteorder != "little":
+        ids.byteswap()
+    return ids.tolist()
+
+
+def read_tokenize(resp: pb.TokenizeResponse, want_text: bool) -> TokenizeResult:
+    d = resp.decision
+    return TokenizeResult(
+        token_ids=unpack_ids(resp.token_ids),
+        fingerprint=resp.fingerprint,
+        backend=resp.backend,
+        prompt_text=resp.prompt_text if want_text else None,
+        decision=CacheDecision(
+            source=_SOURCES.get(d.source, "miss"),
+            cached_tokens=d.cached_tokens,
+            cached_chars=d.cached_chars,
+            encoded_chars=d.encoded_chars,
+            ar_spliced_tokens=d.ar_spliced_tokens,
+            boundaries=d.boundaries,
+            l1_disabled_reason=d.l1_disabled_reason,
+        ),
+    )
+
+
+def read_models(resp: pb.ListModelsResponse) -> list[ModelInfo]:
+    return [ModelInfo(name=m.name, fingerprint=m.fingerprint, backend=m.backend, vocab_size=m.vocab_size,
+                      boundary_tokens=m.boundary_tokens, l1_disabled_reason=m.l1_disabled_reason,
+                      has_chat_template=m.has_chat_template) for m in resp.models]

@@ -1,0 +1,49 @@
+"""Result types of the client API (plain dataclasses; no protobuf types leak out)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["CacheDecision", "ModelInfo", "TokenizeResult"]
+
+
+@dataclass(frozen=True)
+class CacheDecision:
+    """How the sidecar produced the ids.
+
+    ``source`` is ``"miss"`` (all encoded), ``"l0"`` (exact text cached),
+    ``"l1"`` (a prefix cached, the rest encoded) or ``"ar"`` (recorded model
+    output ids spliced in).
+    """
+
+    source: str
+    cached_tokens: int
+    cached_chars: int
+    encoded_chars: int
+    ar_spliced_tokens: int = 0
+    boundaries: int = 0
+    l1_disabled_reason: str = ""
+
+
+@dataclass(frozen=True)
+class TokenizeResult:
+    """Token ids and the cache decision of one Tokenize call."""
+
+    token_ids: list[int]
+    fingerprint: str
+    decision: CacheDecision
+    backend: str = ""
+    prompt_text: str | None = None
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """A model served by the sidecar."""
+
+    name: str
+    fingerprint: str
+    backend: str
+    vocab_size: int
+    boundary_tokens: int
+    l1_disabled_reason: str
+    has_chat_template: bool

@@ -1,0 +1,86 @@
+"""Blocking client over a ``grpc`` channel."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from types import TracebackType
+from typing import Any
+
+import grpc
+
+from sidecar_client import _core
+from sidecar_client._models import ModelInfo, TokenizeResult
+from sidecar_client.errors import translate
+from tokcache.v1 import tokenizer_pb2 as pb
+from tokcache.v1 import tokenizer_pb2_grpc as pb_grpc
+
+__all__ = ["SidecarClient"]
+
+
+class SidecarClient:
+    """Talks to a tokcache sidecar. Thread-safe (one channel, shared); close when done.
+
+    ``address``: ``unix:///run/tokcache/tokcache.sock`` or ``HOST:PORT``;
+    default ``$TOKCACHE_ADDRESS``. ``timeout``: seconds per call (None = no deadline).
+    """
+
+    def __init__(self, address: str | None = None, *, timeout: float | None = 30.0,
+                 metadata: Sequence[tuple[str, str]] | None = None) -> None:
+        self.address = address or _core.default_address()
+        self.timeout = timeout
+        self._metadata = tuple(metadata or ())
+        self._channel = grpc.insecure_channel(_core.channel_target(self.address), options=_core.CHANNEL_OPTIONS)
+        self._stub = pb_grpc.TokenizerStub(self._channel)
+
+    def tokenize(self, model: str, *, text: str | None = None,
+                 messages: Sequence[Mapping[str, Any]] | None = None,
+                 tools: Sequence[Mapping[str, Any]] | None = None, add_generation_prompt: bool = False,
+                 continue_final_message: bool = False, chat_template_kwargs: Mapping[str, Any] | None = None,
+                 add_special_tokens: bool | None = None, cache_salt: str | None = None, mode: str | None = None,
+                 return_prompt_text: bool = False, timeout: float | None = None) -> TokenizeResult:
+        """Token ids of ``text``, or of ``messages`` rendered with the model's chat template.
+
+        ``add_special_tokens`` defaults to True for text and False for chat (as
+        transformers and vLLM). ``mode``: "kv-stable" | "exact" | None (server default).
+        Raises a :class:`~sidecar_client.errors.TokcacheError` subclass on failure.
+        """
+        req = _core.build_tokenize(model, text=text, messages=messages, tools=tools,
+                                   add_generation_prompt=add_generation_prompt,
+                                   continue_final_message=continue_final_message,
+                                   chat_template_kwargs=chat_template_kwargs,
+                                   add_special_tokens=add_special_tokens, cache_salt=cache_salt, mode=mode,
+                                   return_prompt_text=return_prompt_text)
+        resp = self._call(self._stub.Tokenize, req, timeout)
+        return _core.read_tokenize(resp, return_prompt_text)
+
+    def render(self, model: str, messages: Sequence[Mapping[str, Any]], *,
+               tools: Sequence[Mapping[str, Any]] | None = None, add_generation_prompt: bool = False,
+               continue_final_message: bool = False, chat_template_kwargs: Mapping[str, Any] | None = None,
+               timeout: float | None = None) -> str:
+        """The prompt text of ``messages`` (== transformers ``apply_chat_template(tokenize=False)``)."""
+        chat = _core.build_chat(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                continue_final_message=continue_final_message,
+                                chat_template_kwargs=chat_template_kwargs)
+        resp = self._call(self._stub.Render, pb.RenderRequest(model=model, chat=chat), timeout)
+        return str(resp.prompt_text)
+
+    def list_models(self, *, timeout: float | None = None) -> list[ModelInfo]:
+        """The models the sidecar serves, with tokenizer fingerprints."""
+        return _core.read_models(self._call(self._stub.ListModels, pb.ListModelsRequest(), timeout))
+
+    def _call(self, method: Any, req: Any, timeout: float | None) -> Any:
+        try:
+            return method(req, timeout=timeout if timeout is not None else self.timeout,
+                          metadata=self._metadata or None)
+        except grpc.RpcError as exc:
+            raise translate(exc) from exc
+
+    def close(self) -> None:
+        """Close the channel; idempotent."""
+        self._channel.close()
+
+    def __enter__(self) -> SidecarClient:
+        return self
+
+    def __exit__(self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()

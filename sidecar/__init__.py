@@ -1,0 +1,12 @@
+"""tokcache sidecar: a per-node tokenization server with a shared-memory token cache.
+
+The server side. Clients use :mod:`sidecar_client`; the API is
+``proto/tokcache/v1``. Run it with ``tokcache-sidecar serve``.
+"""
+
+from __future__ import annotations
+
+from sidecar.config import Config, ConfigError, ModelSpec, load_config
+
+__all__ = ["Config", "ConfigError", "ModelSpec", "load_config"]
+__version__ = "0.1.0"

@@ -1,0 +1,188 @@
+"""Server configuration: defaults < config file (TOML) < TOKCACHE_* env < CLI flags.
+
+Every field can come from each of the four sources; names map 1:1
+(``shm_size`` ↔ ``--shm-size`` ↔ ``TOKCACHE_SHM_SIZE`` ↔ ``shm_size = …``).
+``models`` is a table in TOML (``[models] qwen3 = "/models/qwen3"``), a
+comma-separated ``NAME=DIR,NAME=DIR`` list in the environment, and repeated
+``--model NAME=DIR`` flags on the command line.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+__all__ = ["Config", "ConfigError", "ENV", "ModelSpec", "load_config", "parse_size"]
+
+DEFAULT_LISTEN = "unix:///run/tokcache/tokcache.sock"
+DEFAULT_SHM_SIZE = 256 << 20
+DEFAULT_SHM_PREFIX = "tokcache"
+DEFAULT_MODE = "kv-stable"
+MODES = ("kv-stable", "exact")
+BACKENDS = ("fastokens", "tokenizers")
+
+# The environment variables, declared once.
+ENV = {
+    "config": "TOKCACHE_CONFIG",
+    "listen": "TOKCACHE_LISTEN",
+    "models": "TOKCACHE_MODELS",
+    "shm_size": "TOKCACHE_SHM_SIZE",
+    "shm_prefix": "TOKCACHE_SHM_PREFIX",
+    "default_mode": "TOKCACHE_MODE",
+    "max_text_bytes": "TOKCACHE_MAX_TEXT_BYTES",
+    "max_messages": "TOKCACHE_MAX_MESSAGES",
+    "max_request_bytes": "TOKCACHE_MAX_REQUEST_BYTES",
+    "ttl_l0": "TOKCACHE_TTL_L0",
+    "ttl_l1": "TOKCACHE_TTL_L1",
+    "ttl_ar": "TOKCACHE_TTL_AR",
+    "backends": "TOKCACHE_BACKENDS",
+    "log_level": "TOKCACHE_LOG_LEVEL",
+    "grace_seconds": "TOKCACHE_GRACE_SECONDS",
+}
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$")
+_PREFIX_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B?)?\s*$", re.IGNORECASE)
+
+
+class ConfigError(ValueError):
+    """Invalid configuration; the message names the field and the source."""
+
+
+def parse_size(value: str | int) -> int:
+    """``"256MiB"``, ``"1G"``, ``"65536"`` or an int → bytes (K/M/G/T are powers of 1024)."""
+    if isinstance(value, int):
+        return value
+    m = _SIZE_RE.match(value)
+    if not m:
+        raise ConfigError(f"not a size: {value!r} (e.g. 256MiB, 1G, 65536)")
+    scale = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[m.group(2).upper()]
+    return int(float(m.group(1)) * scale)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A served model: its name in requests, and its tokenizer directory."""
+
+    name: str
+    path: Path
+
+    def __post_init__(self) -> None:
+        if not _NAME_RE.match(self.name):
+            raise ConfigError(f"models: invalid model name {self.name!r}")
+
+    @classmethod
+    def parse(cls, spec: str) -> ModelSpec:
+        """``NAME=DIR`` → ModelSpec."""
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise ConfigError(f"models: expected NAME=DIR, got {spec!r}")
+        return cls(name.strip(), Path(path.strip()).expanduser())
+
+
+@dataclass(frozen=True)
+class Config:
+    """Validated server settings."""
+
+    listen: str = DEFAULT_LISTEN
+    models: tuple[ModelSpec, ...] = ()
+    shm_size: int = DEFAULT_SHM_SIZE
+    shm_prefix: str = DEFAULT_SHM_PREFIX
+    default_mode: str = DEFAULT_MODE
+    max_text_bytes: int = 8 << 20
+    max_messages: int = 10_000
+    max_request_bytes: int = 64 << 20
+    ttl_l0: float = 0.0
+    ttl_l1: float = 0.0
+    ttl_ar: float = 0.0
+    backends: tuple[str, ...] = BACKENDS
+    log_level: str = "info"
+    grace_seconds: float = 10.0
+    config_file: Path | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if not (self.listen.startswith("unix://") or re.match(r"^[\w.\-\[\]:]+:\d+$", self.listen)):
+            raise ConfigError(f"listen: expected unix:///path.sock or HOST:PORT, got {self.listen!r}")
+        names = [m.name for m in self.models]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"models: duplicate model names in {names}")
+        if self.shm_size < 1 << 20:
+            raise ConfigError(f"shm_size: {self.shm_size} bytes is below the 1 MiB minimum")
+        if not _PREFIX_RE.match(self.shm_prefix):
+            raise ConfigError(f"shm_prefix: invalid {self.shm_prefix!r} (letters, digits, _ . -)")
+        if self.default_mode not in MODES:
+            raise ConfigError(f"default_mode: {self.default_mode!r} is not one of {MODES}")
+        for name in ("max_text_bytes", "max_messages", "max_request_bytes"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name}: must be positive")
+        for name in ("ttl_l0", "ttl_l1", "ttl_ar", "grace_seconds"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name}: must be >= 0")
+        unknown = [b for b in self.backends if b not in BACKENDS]
+        if unknown or not self.backends:
+            raise ConfigError(f"backends: {self.backends} must be a non-empty subset of {BACKENDS}")
+        if self.log_level.lower() not in ("debug", "info", "warning", "error"):
+            raise ConfigError(f"log_level: {self.log_level!r}")
+
+
+_INT_FIELDS = {"max_text_bytes", "max_messages", "max_request_bytes"}
+_FLOAT_FIELDS = {"ttl_l0", "ttl_l1", "ttl_ar", "grace_seconds"}
+
+
+def _coerce(name: str, value: Any, source: str) -> Any:
+    try:
+        if name == "models":
+            if isinstance(value, Mapping):
+                return tuple(ModelSpec(str(k), Path(str(v)).expanduser()) for k, v in value.items())
+            if isinstance(value, str):
+                value = [v for v in value.split(",") if v.strip()]
+            return tuple(v if isinstance(v, ModelSpec) else ModelSpec.parse(str(v)) for v in value)
+        if name == "shm_size":
+            return parse_size(value)
+        if name in _INT_FIELDS:
+            return parse_size(value) if name.endswith("bytes") else int(value)
+        if name in _FLOAT_FIELDS:
+            return float(value)
+        if name == "backends":
+            return tuple(v.strip() for v in value.split(",")) if isinstance(value, str) else tuple(value)
+        return str(value)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{name} (from {source}): {exc}") from exc
+
+
+def load_config(cli: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None) -> Config:
+    """Merge the sources; ``cli`` holds only flags the user gave (None = absent)."""
+    cli = {k: v for k, v in (cli or {}).items() if v is not None}
+    env = os.environ if env is None else env
+    names = {f.name for f in fields(Config)} - {"config_file"}
+    values: dict[str, Any] = {}
+    path_s = cli.get("config") or env.get(ENV["config"])
+    config_file = Path(path_s) if path_s else None
+    if config_file is not None:
+        try:
+            data = tomllib.loads(config_file.read_text(encoding="utf-8"))
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"config: cannot read {config_file}: {exc}") from exc
+        bad = set(data) - names
+        if bad:
+            raise ConfigError(f"config {config_file}: unknown keys {sorted(bad)}")
+        values.update({k: _coerce(k, v, str(config_file)) for k, v in data.items()})
+    for name in names:
+        var = ENV.get(name)
+        if var and env.get(var):
+            values[name] = _coerce(name, env[var], var)
+    for name, value in cli.items():
+        if name in names:
+            values[name] = _coerce(name, value, f"--{name.replace('_', '-')}")
+    cfg = Config(**values, config_file=config_file)
+    return replace(cfg)

@@ -1,0 +1,155 @@
+"""Safe boundaries: where a text can be cut so that the ids of the parts concatenate.
+
+HF ``tokenizers`` splits added tokens out of the input before normalization
+and pre-tokenization, so for an added token ``S`` that is matched atomically,
+``encode(a + S + b) == encode(a + S) + encode(b)``. That is what lets L1 reuse
+the ids of a cached prefix ending in ``S`` and encode only the tail.
+
+It is not true for every added token: ``lstrip``/``rstrip`` tokens swallow
+neighbouring whitespace, ``single_word`` tokens only match between word
+boundaries, ``normalized`` tokens are matched after normalization, and a
+Metaspace pre-tokenizer with ``prepend_scheme: first`` treats the start of the
+input differently from text after a token. Rather than trusting the flags,
+every added token (special or not — Qwen marks ``<tool_call>``, ``<think>``
+as non-special) is *tested* on probe strings at load; the ones that pass are
+boundaries. A tokenizer with none gets no L1, and says why.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from sidecar.engine.encoder import Encoder
+
+log = logging.getLogger(__name__)
+
+__all__ = ["BoundaryScanner", "BoundaryCheck", "check_boundaries"]
+
+# (a, b) pairs around each candidate token: whitespace on either side probes
+# lstrip/rstrip, letters right after probe single_word, an empty ``a`` probes
+# start-of-input handling (Metaspace "first"), and CJK/digits/newline runs
+# probe pre-tokenizer regex edges.
+_PROBE_PAIRS: tuple[tuple[str, str], ...] = (
+    ("", "hello"),
+    ("", " hello"),
+    ("hello", "world"),
+    ("hello ", " world"),
+    ("x  ", "  y"),
+    ("\n", "\n\nfoo"),
+    ("a\n\n", "\n"),
+    ("你好", "世界"),
+    ("word", "word"),
+    ("12", "34"),
+    (" ", " "),
+    ("end.", "Start"),
+    ("\t", "\tz"),
+    ("", ""),
+    ("abc", ""),
+)
+
+
+@dataclass(frozen=True)
+class BoundaryCheck:
+    """Result of the load-time self-check."""
+
+    boundary_tokens: tuple[str, ...]
+    rejected: tuple[str, ...]
+    disabled_reason: str
+
+
+def _added_tokens(tokenizer_json: Path) -> list[dict[str, object]]:
+    data = json.loads(tokenizer_json.read_text(encoding="utf-8"))
+    tokens = data.get("added_tokens") or []
+    return [t for t in tokens if isinstance(t, dict) and isinstance(t.get("content"), str)]
+
+
+def check_boundaries(tokenizer_json: Path, reference: Encoder) -> BoundaryCheck:
+    """Test every added token of ``tokenizer_json`` as a cut point with ``reference``."""
+    tokens = _added_tokens(tokenizer_json)
+    good: list[str] = []
+    bad: list[str] = []
+    for tok in tokens:
+        content = str(tok["content"])
+        if not content:
+            continue
+        ok = True
+        for a, b in _PROBE_PAIRS:
+            whole = reference.encode(a + content + b)
+            # Right side: cut after S (L1). Left side: cut before S (where a
+            # recorded output ends and the template's end-of-turn token follows).
+            if (whole != reference.encode(a + content) + reference.encode(b)
+                    or whole != reference.encode(a) + reference.encode(content + b)):
+                ok = False
+                break
+        (good if ok else bad).append(content)
+    reason = ""
+    if not good:
+        reason = "no added token passed the boundary self-check" if tokens else "tokenizer has no added tokens"
+        log.warning("L1 disabled for %s: %s", tokenizer_json, reason)
+    elif bad:
+        log.info("%d added tokens are not safe boundaries for %s (e.g. %r)", len(bad), tokenizer_json, bad[:3])
+    return BoundaryCheck(tuple(good), tuple(bad), reason)
+
+
+_Trie = dict[int | None, "_Trie"]
+
+
+def _trie_pattern(words: set[bytes]) -> re.Pattern[bytes]:
+    """A regex matching any of ``words``, leftmost-longest, factored as a trie.
+
+    ``sre`` tries the branches of a flat alternation one by one at every
+    candidate position; with 257 Llama added tokens that start with ``<`` the
+    flat pattern costs ~4x more on code-heavy prompts. Greedy optional groups
+    keep "longest" among words that are prefixes of one another.
+    """
+    root: _Trie = {}
+    for word in words:
+        node = root
+        for byte in word:
+            node = node.setdefault(byte, {})
+        node[None] = {}
+
+    def build(node: _Trie) -> bytes:
+        alts = [re.escape(bytes([k])) + build(v) for k, v in sorted(
+            ((k, v) for k, v in node.items() if k is not None), key=lambda kv: kv[0])]
+        if not alts:
+            return b""
+        body = alts[0] if len(alts) == 1 else b"(?:" + b"|".join(alts) + b")"
+        return b"(?:" + body + b")?" if None in node else body
+
+    return re.compile(build(root))
+
+
+class BoundaryScanner:
+    """Finds the byte offsets just after each boundary token in UTF-8 text.
+
+    Matching mimics the added-vocabulary split of ``tokenizers`` (leftmost,
+    longest among *all* non-normalized added tokens), so a boundary token that
+    is part of a longer added token is not mistaken for a cut point.
+    """
+
+    def __init__(self, all_added: Sequence[str], boundary_tokens: Sequence[str]) -> None:
+        self._boundaries = frozenset(t.encode("utf-8") for t in boundary_tokens)
+        words = {t.encode("utf-8") for t in all_added if t}
+        self._pattern: re.Pattern[bytes] | None = _trie_pattern(words) if self._boundaries else None
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer_json: Path, check: BoundaryCheck) -> BoundaryScanner:
+        added = [str(t["content"]) for t in _added_tokens(tokenizer_json) if not t.get("normalized")]
+        return cls(added, check.boundary_tokens)
+
+    @property
+    def enabled(self) -> bool:
+        return self._pattern is not None
+
+    def cuts(self, data: bytes) -> list[int]:
+        """Offsets in ``data`` right after each boundary token, ascending."""
+        if self._pattern is None:
+            return []
+        boundaries = self._boundaries
+        return [m.end() for m in self._pattern.finditer(data) if m.group() in boundaries]

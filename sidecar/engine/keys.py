@@ -1,0 +1,54 @@
+"""Cache keys: content hashes of text prefixes, namespaced by salt and mode.
+
+A key is ``blake3(header || utf8(text[:cut]))`` truncated to 16 bytes, where
+the header binds the layer and tenant. One running hasher walks the text and
+is digested at every cut, so keying all ~160 boundaries of a 57 KB prompt
+hashes each byte once (``digest`` does not finalize a blake3 hasher).
+
+Keys do not name the model: a segment holds exactly one tokenizer
+fingerprint, and two model names with the same tokenizer share entries.
+"""
+
+from __future__ import annotations
+
+from blake3 import blake3
+
+__all__ = ["KEY_BYTES", "KeyStream", "MODE_EXACT", "MODE_KV_STABLE"]
+
+KEY_BYTES = 16
+MODE_EXACT = b"C"  # canonical ids only
+MODE_KV_STABLE = b"K"  # recorded model output (AR) ids take precedence
+
+# 0xFF never occurs in UTF-8, so these suffixes cannot collide with text.
+_L0_SUFFIX = b"\xffL0"
+_AR_SUFFIX = b"\xffAR"
+
+
+class KeyStream:
+    """Incremental keys over one text. Not thread-safe; one per request."""
+
+    __slots__ = ("_h",)
+
+    def __init__(self, salt: str, mode: bytes) -> None:
+        salt_b = salt.encode("utf-8")
+        self._h = blake3(b"tokcache/v1\x00" + mode + len(salt_b).to_bytes(4, "little") + salt_b)
+
+    def feed(self, data: bytes) -> None:
+        """Append the next bytes of the text."""
+        self._h.update(data)
+
+    def prefix_key(self) -> bytes:
+        """Key of the L1 entry for the text fed so far (a boundary prefix)."""
+        return self._h.digest(KEY_BYTES)
+
+    def exact_key(self) -> bytes:
+        """Key of the L0 entry for the text fed so far (the whole text)."""
+        h = self._h.copy()
+        h.update(_L0_SUFFIX)
+        return h.digest(KEY_BYTES)
+
+    def output_key(self) -> bytes:
+        """Key of an AR entry ending at the text fed so far (a recorded output)."""
+        h = self._h.copy()
+        h.update(_AR_SUFFIX)
+        return h.digest(KEY_BYTES)

@@ -1,0 +1,136 @@
+"""Server lifecycle: bind, load models, serve, drain.
+
+Order matters for probes: the socket is bound first with health
+NOT_SERVING, tokenizers load (seconds), then SERVING. On SIGTERM/SIGINT:
+NOT_SERVING, then ``stop(grace)`` drains in-flight RPCs and refuses new ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from sidecar.config import Config
+from sidecar.engine.model import Limits, ModelEngine, fingerprint_of
+from sidecar.service import TokenizerService
+from sidecar.store import Kind, Store
+from tokcache.v1 import tokenizer_pb2 as pb
+from tokcache.v1 import tokenizer_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Sidecar", "run"]
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Tokenizer"].full_name
+
+
+def _prepare_unix(address: str) -> None:
+    path = Path(address[len("unix://"):])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # A socket left by a killed sidecar would make bind fail.
+    if path.is_socket():
+        path.unlink()
+
+
+class Sidecar:
+    """One server process: gRPC server + engines + stores. Use from one event loop."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.service = TokenizerService(config.default_mode)
+        self.health = health.aio.HealthServicer()
+        self.stores: dict[str, Store] = {}
+        self.server: grpc.aio.Server | None = None
+        self.port: int | None = None
+
+    async def start(self) -> None:
+        """Bind and start serving (NOT_SERVING until :meth:`load` finishes)."""
+        cfg = self.config
+        server = grpc.aio.server(options=[
+            ("grpc.max_receive_message_length", cfg.max_request_bytes),
+            ("grpc.max_send_message_length", cfg.max_request_bytes),
+        ])
+        pb_grpc.add_TokenizerServicer_to_server(self.service, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        if cfg.listen.startswith("unix://"):
+            _prepare_unix(cfg.listen)
+        self.port = server.add_insecure_port(cfg.listen)
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await server.start()
+        self.server = server
+        log.info("listening on %s", cfg.listen)
+
+    async def _set_health(self, status: int) -> None:
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, status)
+
+    def _load_models(self) -> dict[str, ModelEngine]:
+        cfg = self.config
+        limits = Limits(max_text_bytes=cfg.max_text_bytes, max_messages=cfg.max_messages)
+        ttl = {Kind.L0: cfg.ttl_l0, Kind.L1: cfg.ttl_l1, Kind.AR: cfg.ttl_ar}
+        engines: dict[str, ModelEngine] = {}
+        for spec in cfg.models:
+            fp = fingerprint_of(spec.path / "tokenizer.json")
+            store = self.stores.get(fp)
+            if store is None:
+                store = Store.open(prefix=cfg.shm_prefix, fingerprint=fp, size=cfg.shm_size, ttl=ttl)
+                self.stores[fp] = store
+                log.info("shm segment %s (%d bytes): %s", store.name, store.size,
+                         "re-attached warm" if store.attached_existing else "created")
+            engines[spec.name] = ModelEngine(spec.name, spec.path, store=store, limits=limits,
+                                             backends=cfg.backends)
+        return engines
+
+    async def load(self) -> None:
+        """Load every model (in a thread: the health service answers meanwhile), then SERVING."""
+        engines = await asyncio.to_thread(self._load_models)
+        self.service.set_engines(engines)
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        log.info("serving %d model(s): %s", len(engines), ", ".join(engines))
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Drain: NOT_SERVING, then stop accepting and wait up to ``grace`` for in-flight RPCs."""
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self.server is not None:
+            await self.server.stop(self.config.grace_seconds if grace is None else grace)
+        for store in self.stores.values():
+            store.close()
+        if self.config.listen.startswith("unix://"):
+            Path(self.config.listen[len("unix://"):]).unlink(missing_ok=True)
+
+    async def wait(self) -> None:
+        assert self.server is not None
+        await self.server.wait_for_termination()
+
+
+async def _serve(config: Config) -> None:
+    sidecar = Sidecar(config)
+    await sidecar.start()
+    loop = asyncio.get_running_loop()
+    stopping = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stopping.set)
+    try:
+        await sidecar.load()
+    except Exception:
+        log.exception("loading models failed")
+        await sidecar.stop(0)
+        raise
+    await stopping.wait()
+    log.info("signal received: draining (grace %.1fs)", config.grace_seconds)
+    await sidecar.stop()
+    log.info("stopped (pid %d)", os.getpid())
+
+
+def run(config: Config) -> None:
+    """Serve until SIGTERM/SIGINT. Blocks."""
+    asyncio.run(_serve(config))

@@ -1,0 +1,89 @@
+"""The boundary self-check keeps exactly the added tokens that are safe cut points."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from sidecar.engine.boundaries import BoundaryScanner, check_boundaries
+from sidecar.engine.encoder import TokenizersEncoder
+
+CORPUS = ["hello world", "the quick brown fox", "word word words", "你好 世界", "12 34 56",
+          "end. Start", "tabs\tand spaces  x", "newlines\n\nfoo"] * 20
+
+
+def _tokenizer(tmp_path: Path, pre: pre_tokenizers.PreTokenizer, added: list[AddedToken]) -> Path:
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["[UNK]"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.add_tokens(added)
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    return path
+
+
+def test_real_tokenizers_have_role_tokens_as_boundaries(qwen3_path: Path, llama32_path: Path) -> None:
+    qwen = check_boundaries(qwen3_path / "tokenizer.json", TokenizersEncoder(qwen3_path / "tokenizer.json"))
+    assert {"<|im_start|>", "<|im_end|>", "<|endoftext|>"} <= set(qwen.boundary_tokens)
+    # Non-special added tokens are boundaries too (Qwen marks these special=False).
+    assert {"<tool_call>", "</tool_call>", "<think>", "</think>"} <= set(qwen.boundary_tokens)
+    assert qwen.disabled_reason == ""
+    llama = check_boundaries(llama32_path / "tokenizer.json", TokenizersEncoder(llama32_path / "tokenizer.json"))
+    assert {"<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|begin_of_text|>"} <= set(llama.boundary_tokens)
+
+
+def test_flagged_tokens_are_rejected(tmp_path: Path) -> None:
+    added = [
+        AddedToken("<plain>", special=True, normalized=False),
+        AddedToken("<nonspecial>", special=False, normalized=False),
+        AddedToken("<lstrip>", special=True, lstrip=True, normalized=False),
+        AddedToken("<rstrip>", special=True, rstrip=True, normalized=False),
+        AddedToken("sw", special=False, single_word=True, normalized=False),
+    ]
+    path = _tokenizer(tmp_path, pre_tokenizers.ByteLevel(add_prefix_space=False), added)
+    check = check_boundaries(path, TokenizersEncoder(path))
+    assert set(check.boundary_tokens) == {"<plain>", "<nonspecial>", "[UNK]"}
+    assert set(check.rejected) == {"<lstrip>", "<rstrip>", "sw"}
+
+
+def test_metaspace_prepend_first_disables_l1(tmp_path: Path) -> None:
+    added = [AddedToken("<s1>", special=True, normalized=False), AddedToken("<s2>", special=True, normalized=False)]
+    path = _tokenizer(tmp_path, pre_tokenizers.Metaspace(prepend_scheme="first"), added)
+    check = check_boundaries(path, TokenizersEncoder(path))
+    assert check.boundary_tokens == ()
+    assert "self-check" in check.disabled_reason
+    scanner = BoundaryScanner.from_tokenizer(path, check)
+    assert not scanner.enabled and scanner.cuts(b"a<s1>b") == []
+
+
+def test_no_added_tokens_disables_l1(tmp_path: Path) -> None:
+    path = _tokenizer(tmp_path, pre_tokenizers.ByteLevel(add_prefix_space=False), [])
+    data = json.loads(path.read_text())
+    data["added_tokens"] = [t for t in data["added_tokens"] if t["content"] != "[UNK]"]
+    path.write_text(json.dumps(data))
+    check = check_boundaries(path, TokenizersEncoder(path))
+    assert check.boundary_tokens == () and check.disabled_reason == "tokenizer has no added tokens"
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("<|im_start|>user\nhi<|im_end|>\n", [12, 29]),
+    ("no tokens here", []),
+    ("<|im_end|<|im_end|>", [19]),
+    ("<think></think>x", [7, 15]),
+    ("你<|im_end|>好", [3 + 10]),
+])
+def test_scanner_offsets(qwen3_path: Path, text: str, expected: list[int]) -> None:
+    path = qwen3_path / "tokenizer.json"
+    scanner = BoundaryScanner.from_tokenizer(path, check_boundaries(path, TokenizersEncoder(path)))
+    assert scanner.cuts(text.encode()) == expected
+
+
+def test_scanner_prefers_longest_added_token() -> None:
+    # "<a>" is a boundary, "<a>x" a longer non-boundary added token: no cut inside it.
+    scanner = BoundaryScanner(["<a>", "<a>x"], ["<a>"])
+    assert scanner.cuts(b"<a>x <a> <a>") == [8, 12]
