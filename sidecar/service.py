@@ -24,7 +24,7 @@ import grpc
 
 from sidecar.engine.errors import EngineError, InvalidRequest, RequestTooLarge, UnknownModel
 from sidecar.engine.model import ModelEngine
-from sidecar.wire import MODE_FROM_PROTO, chat_from_proto, source_to_proto
+from sidecar.wire import MODE_FROM_PROTO, chat_from_proto, source_to_proto, unpack_ids
 from tokcache.v1 import tokenizer_pb2 as pb
 from tokcache.v1 import tokenizer_pb2_grpc as pb_grpc
 
@@ -120,6 +120,52 @@ class TokenizerService(pb_grpc.TokenizerServicer):
         except Exception as exc:
             await self._abort(context, exc)
         return pb.RenderResponse(prompt_text=text, fingerprint=engine.fingerprint)
+
+    def _record(self, engine: ModelEngine, r: pb.RecordOutputRequest) -> pb.RecordOutputResponse:
+        for name in ("prompt_token_ids", "output_token_ids"):
+            if len(getattr(r, name)) % 4:
+                raise InvalidRequest(name, "length is not a multiple of 4 (little-endian uint32 ids)")
+        which = r.WhichOneof("stop_reason_kind")
+        out = engine.record_output(
+            prompt_text=r.prompt_text, prompt_ids=unpack_ids(r.prompt_token_ids),
+            output_text=r.output_text, output_ids=unpack_ids(r.output_token_ids),
+            finish_reason=r.finish_reason,
+            stop_token_id=r.stop_token_id if which == "stop_token_id" else None,
+            stop_string=r.stop_string if which == "stop_string" else None,
+            salt=r.cache_salt, prompt_add_special_tokens=r.prompt_add_special_tokens)
+        return pb.RecordOutputResponse(recorded_tokens=out.recorded_tokens,
+                                       stop_token_dropped=out.stop_token_dropped, entries=out.entries)
+
+    async def RecordOutput(self, request: pb.RecordOutputRequest,
+                           context: grpc.aio.ServicerContext) -> pb.RecordOutputResponse:
+        try:
+            engine = await self._engine(request.model, context)
+            return self._record(engine, request)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:
+            await self._abort(context, exc)
+
+    async def RecordOutputs(self, request_iterator: Any,
+                            context: grpc.aio.ServicerContext) -> pb.RecordOutputsResponse:
+        summary = pb.RecordOutputsResponse()
+        index = 0
+        async for request in request_iterator:
+            try:
+                engine = await self._engine(request.model, context)
+                self._record(engine, request)
+                summary.recorded += 1
+            except grpc.aio.AbortError:
+                raise
+            except EngineError as exc:
+                summary.refused += 1
+                summary.refusals.add(index=index, reason=str(exc))
+            except Exception as exc:  # a bug must not end the stream for the others
+                log.exception("RecordOutputs item %d failed", index)
+                summary.refused += 1
+                summary.refusals.add(index=index, reason=f"internal error: {exc!r}")
+            index += 1
+        return summary
 
     async def ListModels(self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext) -> pb.ListModelsResponse:
         models: list[Any] = []

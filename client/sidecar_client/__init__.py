@@ -17,7 +17,8 @@ from typing import Any
 
 from sidecar_client._async import AsyncSidecarClient
 from sidecar_client._core import ADDRESS_ENV
-from sidecar_client._models import CacheDecision, ModelInfo, TokenizeResult
+from sidecar_client._models import CacheDecision, ModelInfo, RecordResult, RecordSummary, TokenizeResult
+from sidecar_client._stream import OutputAssembler
 from sidecar_client._sync import SidecarClient
 from sidecar_client.errors import (
     DeadlineExceeded,
@@ -36,6 +37,9 @@ __all__ = [
     "DeadlineExceeded",
     "InvalidArgumentError",
     "ModelInfo",
+    "OutputAssembler",
+    "RecordResult",
+    "RecordSummary",
     "ResourceExhaustedError",
     "SidecarClient",
     "SidecarInternalError",
@@ -43,6 +47,7 @@ __all__ = [
     "TokcacheError",
     "TokenizeResult",
     "UnknownModelError",
+    "record_output",
     "render",
     "tokenize",
 ]
@@ -72,3 +77,8 @@ def tokenize(model: str, **kwargs: Any) -> TokenizeResult:
 def render(model: str, messages: Any, **kwargs: Any) -> str:
     """:meth:`SidecarClient.render` on a shared client for ``$TOKCACHE_ADDRESS``."""
     return _default_client().render(model, messages, **kwargs)
+
+
+def record_output(model: str, **kwargs: Any) -> RecordResult:
+    """:meth:`SidecarClient.record_output` on a shared client for ``$TOKCACHE_ADDRESS``."""
+    return _default_client().record_output(model, **kwargs)

@@ -18,8 +18,8 @@ from sidecar_client._models import CacheDecision, ModelInfo, TokenizeResult
 from sidecar_client.errors import InvalidArgumentError
 from tokcache.v1 import tokenizer_pb2 as pb
 
-__all__ = ["ADDRESS_ENV", "build_chat", "build_tokenize", "channel_target", "default_address",
-           "read_models", "read_tokenize"]
+__all__ = ["ADDRESS_ENV", "build_chat", "build_record", "build_tokenize", "channel_target", "default_address",
+           "pack_ids", "read_models", "read_tokenize", "record_kwargs", "unpack_ids"]
 
 ADDRESS_ENV = "TOKCACHE_ADDRESS"
 DEFAULT_ADDRESS = "unix:///run/tokcache/tokcache.sock"
@@ -188,3 +188,47 @@ def read_models(resp: pb.ListModelsResponse) -> list[ModelInfo]:
     return [ModelInfo(name=m.name, fingerprint=m.fingerprint, backend=m.backend, vocab_size=m.vocab_size,
                       boundary_tokens=m.boundary_tokens, l1_disabled_reason=m.l1_disabled_reason,
                       has_chat_template=m.has_chat_template) for m in resp.models]
+
+
+def pack_ids(ids: Sequence[int], field: str) -> bytes:
+    """ids → little-endian uint32 bytes; InvalidArgumentError names the field if one is out of range."""
+    try:
+        out = array("I", ids)
+    except (OverflowError, TypeError) as exc:
+        raise _bad(field, f"ids must be integers in [0, 2**32): {exc}") from exc
+    if sys.byteorder != "little":
+        out.byteswap()
+    return out.tobytes()
+
+
+def build_record(model: str, *, prompt_text: str, prompt_token_ids: Sequence[int], output_text: str,
+                 output_token_ids: Sequence[int], finish_reason: str | None, stop_reason: int | str | None,
+                 cache_salt: str | None, prompt_add_special_tokens: bool) -> pb.RecordOutputRequest:
+    if not isinstance(model, str) or not model:
+        raise _bad("model", "is required")
+    for name, value in (("prompt_text", prompt_text), ("output_text", output_text)):
+        if not isinstance(value, str):
+            raise _bad(name, f"expected str, got {type(value).__name__}")
+    req = pb.RecordOutputRequest(
+        model=model, cache_salt=cache_salt or "", prompt_text=prompt_text,
+        prompt_token_ids=pack_ids(prompt_token_ids, "prompt_token_ids"), output_text=output_text,
+        output_token_ids=pack_ids(output_token_ids, "output_token_ids"), finish_reason=finish_reason or "",
+        prompt_add_special_tokens=prompt_add_special_tokens)
+    if isinstance(stop_reason, bool):
+        raise _bad("stop_reason", "expected a token id, a stop string or None")
+    if isinstance(stop_reason, int):
+        if not 0 <= stop_reason < 2**32:
+            raise _bad("stop_reason", "token id out of range")
+        req.stop_token_id = stop_reason
+    elif isinstance(stop_reason, str):
+        req.stop_string = stop_reason
+    elif stop_reason is not None:
+        raise _bad("stop_reason", "expected a token id, a stop string or None")
+    return req
+
+
+def record_kwargs(record: Mapping[str, Any]) -> dict[str, Any]:
+    """Defaults for the optional keys of a record mapping (record_outputs)."""
+    out = {"finish_reason": "stop", "stop_reason": None, "cache_salt": None, "prompt_add_special_tokens": False}
+    out.update(record)
+    return out

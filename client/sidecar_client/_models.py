@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["CacheDecision", "ModelInfo", "TokenizeResult"]
+__all__ = ["CacheDecision", "ModelInfo", "RecordResult", "RecordSummary", "TokenizeResult"]
 
 
 @dataclass(frozen=True)
@@ -47,3 +47,21 @@ class ModelInfo:
     boundary_tokens: int
     l1_disabled_reason: str
     has_chat_template: bool
+
+
+@dataclass(frozen=True)
+class RecordResult:
+    """What the sidecar stored for one recorded output."""
+
+    recorded_tokens: int
+    stop_token_dropped: bool
+    entries: int
+
+
+@dataclass(frozen=True)
+class RecordSummary:
+    """Outcome of a streamed batch of records; ``refusals`` are (index, reason)."""
+
+    recorded: int
+    refused: int
+    refusals: list[tuple[int, str]]

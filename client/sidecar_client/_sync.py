@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
 import grpc
 
 from sidecar_client import _core
-from sidecar_client._models import ModelInfo, TokenizeResult
+from sidecar_client._models import ModelInfo, RecordResult, RecordSummary, TokenizeResult
 from sidecar_client.errors import translate
 from tokcache.v1 import tokenizer_pb2 as pb
 from tokcache.v1 import tokenizer_pb2_grpc as pb_grpc
@@ -63,6 +63,36 @@ class SidecarClient:
                                 chat_template_kwargs=chat_template_kwargs)
         resp = self._call(self._stub.Render, pb.RenderRequest(model=model, chat=chat), timeout)
         return str(resp.prompt_text)
+
+    def record_output(self, model: str, *, prompt_text: str, prompt_token_ids: Sequence[int],
+                      output_text: str, output_token_ids: Sequence[int], finish_reason: str | None = "stop",
+                      stop_reason: int | str | None = None, cache_salt: str | None = None,
+                      prompt_add_special_tokens: bool = False, timeout: float | None = None) -> RecordResult:
+        """Record what the model generated for ``prompt_text`` (the AR cache).
+
+        ``stop_reason``: the stop token id, the stop string (such a record is
+        refused: its ids run past the text) or None (EOS / length). The
+        sidecar verifies the record first; a refusal raises
+        :class:`~sidecar_client.errors.InvalidArgumentError` with the reason.
+        """
+        req = _core.build_record(model, prompt_text=prompt_text, prompt_token_ids=prompt_token_ids,
+                                 output_text=output_text, output_token_ids=output_token_ids,
+                                 finish_reason=finish_reason, stop_reason=stop_reason, cache_salt=cache_salt,
+                                 prompt_add_special_tokens=prompt_add_special_tokens)
+        resp = self._call(self._stub.RecordOutput, req, timeout)
+        return RecordResult(recorded_tokens=resp.recorded_tokens, stop_token_dropped=resp.stop_token_dropped,
+                            entries=resp.entries)
+
+    def record_outputs(self, model: str, records: Iterable[Mapping[str, Any]], *,
+                       timeout: float | None = None) -> RecordSummary:
+        """Record many outputs on one stream; refused ones are listed, not raised.
+
+        Each record is a mapping with the keyword arguments of :meth:`record_output`.
+        """
+        reqs = [_core.build_record(model, **_core.record_kwargs(r)) for r in records]
+        resp = self._call(self._stub.RecordOutputs, iter(reqs), timeout)
+        return RecordSummary(recorded=resp.recorded, refused=resp.refused,
+                             refusals=[(r.index, r.reason) for r in resp.refusals])
 
     def list_models(self, *, timeout: float | None = None) -> list[ModelInfo]:
         """The models the sidecar serves, with tokenizer fingerprints."""

@@ -153,3 +153,10 @@ class BoundaryScanner:
             return []
         boundaries = self._boundaries
         return [m.end() for m in self._pattern.finditer(data) if m.group() in boundaries]
+
+    def spans(self, data: bytes) -> list[tuple[int, int]]:
+        """(start, end) offsets of each boundary token in ``data``, ascending."""
+        if self._pattern is None:
+            return []
+        boundaries = self._boundaries
+        return [m.span() for m in self._pattern.finditer(data) if m.group() in boundaries]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from blake3 import blake3
 
-__all__ = ["KEY_BYTES", "KeyStream", "MODE_EXACT", "MODE_KV_STABLE"]
+__all__ = ["KEY_BYTES", "KeyStream", "MODE_EXACT", "MODE_KV_STABLE", "segment_key"]
 
 KEY_BYTES = 16
 MODE_EXACT = b"C"  # canonical ids only
@@ -52,3 +52,11 @@ class KeyStream:
         h = self._h.copy()
         h.update(_AR_SUFFIX)
         return h.digest(KEY_BYTES)
+
+
+def segment_key(salt: str, mode: bytes, text: bytes) -> bytes:
+    """Key of a segment-AR entry: a recorded output's text on its own."""
+    salt_b = salt.encode("utf-8")
+    h = blake3(b"tokcache/v1\x00S" + mode + len(salt_b).to_bytes(4, "little") + salt_b)
+    h.update(text)
+    return h.digest(KEY_BYTES)

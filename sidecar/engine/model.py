@@ -28,22 +28,39 @@ from typing import Any
 from blake3 import blake3
 
 from sidecar.engine.affixes import Affixes, detect_affixes
+from sidecar.engine.ar import segment_variants, verify_output
 from sidecar.engine.boundaries import BoundaryCheck, BoundaryScanner, check_boundaries
 from sidecar.engine.encoder import EncoderChoice, _le, choose_encoder
 from sidecar.engine.errors import InvalidRequest, RequestTooLarge
-from sidecar.engine.keys import MODE_EXACT, MODE_KV_STABLE, KeyStream
+from sidecar.engine.keys import MODE_EXACT, MODE_KV_STABLE, KeyStream, segment_key
 from sidecar.engine.render import ChatRenderer
+from sidecar.engine.tokenbytes import TokenBytes
 from sidecar.store import Kind, Store, StoreError
 
 from array import array
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Decision", "Limits", "ModelEngine", "Outcome", "fingerprint_of"]
+__all__ = ["Decision", "Limits", "ModelEngine", "Outcome", "RecordResult", "fingerprint_of"]
 
 # Probing the last cuts first finds a growing conversation's hit at once;
 # the rest is binary-searched.
 _TAIL_PROBES = 4
+# Segment AR: pieces shorter than this are not looked up; a recorded output
+# may start after at most this many leading newlines of a piece (role headers).
+_MIN_SEGMENT_BYTES = 4
+_SEGMENT_HEADER_BYTES = 64
+_SEGMENT_MAX_STARTS = 3
+
+
+def _segment_starts(piece: bytes) -> list[int]:
+    """Offsets where a recorded output may start in a piece: 0 and after early newlines."""
+    starts = [0]
+    pos = piece.find(b"\n", 0, _SEGMENT_HEADER_BYTES)
+    while pos >= 0 and len(starts) < _SEGMENT_MAX_STARTS:
+        starts.append(pos + 1)
+        pos = piece.find(b"\n", pos + 1, _SEGMENT_HEADER_BYTES)
+    return [s for s in starts if s < len(piece)]
 
 
 def fingerprint_of(tokenizer_json: Path) -> str:
@@ -74,6 +91,15 @@ class Decision:
     ar_spliced_tokens: int = 0
     boundaries: int = 0
     l1_disabled_reason: str = ""
+
+
+@dataclass(frozen=True)
+class RecordResult:
+    """What :meth:`ModelEngine.record_output` stored."""
+
+    recorded_tokens: int
+    stop_token_dropped: bool
+    entries: int
 
 
 @dataclass
@@ -108,6 +134,10 @@ class ModelEngine:
         self.scanner = BoundaryScanner.from_tokenizer(tokenizer_json, self.boundary_check)
         self.affixes: Affixes = detect_affixes(self.reference)
         self.renderer: ChatRenderer | None = ChatRenderer.from_dir(path)
+        self.token_bytes = TokenBytes.from_tokenizer_json(tokenizer_json)
+        # Ids that vLLM may leave out of the text at the end of an output (EOS and friends).
+        self.special_ids = frozenset(
+            i for i, t in self.reference.tokenizer.get_added_tokens_decoder().items() if t.special)
         self.store = store
         self.limits = limits or Limits()
         log.info(
@@ -156,7 +186,12 @@ class ModelEngine:
         return Outcome(raw, decision)
 
     def _raw_ids(self, data: bytes, salt: str, mode: bytes, decision: Decision) -> bytes:
-        cuts = self.scanner.cuts(data)
+        return self._lookup_encode(data, salt, mode, decision)[0]
+
+    def _lookup_encode(self, data: bytes, salt: str, mode: bytes, decision: Decision) -> tuple[bytes, bytes]:
+        """(raw ids, L0 key) of ``data``: L0, else longest L1/AR prefix + encoded tail."""
+        spans = self.scanner.spans(data)
+        cuts = [end for _, end in spans]
         decision.boundaries = len(cuts)
         stream = KeyStream(salt, mode)
         keys: list[bytes] = []
@@ -173,38 +208,195 @@ class ModelEngine:
                 hit = store.get(exact_key)
             except StoreError:
                 log.exception("store read failed; encoding without cache")
-                store = None
-                hit = None
+                store, hit = None, None
             if hit is not None:
                 decision.source = "l0"
                 decision.cached_tokens = len(hit) // 4
                 decision.cached_chars = len(data.decode("utf-8"))
-                return hit
-        # Longest cached cut.
+                return hit, exact_key
+        # Longest cached cut (L1).
         j, prefix = (-1, b"") if store is None else self._longest(store, keys)
         start = cuts[j] if j >= 0 else 0
-        bounds = [*cuts[j + 1:], len(data)]
-        pieces: list[str] = []
-        a = start
-        for b in bounds:
-            pieces.append(data[a:b].decode("utf-8"))
-            a = b
-        # The last piece (after the last cut) may be empty; encoders give [] for it.
-        flat, ends = self.encoder.encode_segments(pieces)
-        tail_chars = sum(len(p) for p in pieces)
+        parent = keys[j] if j >= 0 else None
+        first_new = j + 1  # index of the first cut not covered by the cached prefix
         if j >= 0:
             decision.source = "l1"
+        kv_stable = mode == MODE_KV_STABLE
+        if store is not None and kv_stable:
+            ar = self._prefix_ar(store, data, salt, mode, spans, j, start)
+            if ar is not None:
+                i, ar_start, ar_key, ar_ids = ar
+                prefix, start, parent, first_new = ar_ids, ar_start, ar_key, i
+                decision.source = "ar"
+                decision.ar_spliced_tokens = len(ar_ids) // 4
+        # Pieces: (text up to the next boundary token, that token), the last with none.
+        pieces: list[tuple[bytes, bytes]] = []
+        a = start
+        for s_i, e_i in spans[first_new:]:
+            pieces.append((data[a:s_i], data[s_i:e_i]))
+            a = e_i
+        pieces.append((data[a:], b""))
+        flat, ends, spliced = self._encode_pieces(
+            pieces, salt, mode, store if kv_stable else None)
+        if spliced:
+            decision.ar_spliced_tokens += spliced
+            if decision.source in ("miss", "l1"):
+                decision.source = "ar"
+        tail_chars = len(data[start:].decode("utf-8"))
+        if decision.source != "miss":
             decision.cached_tokens = len(prefix) // 4
             decision.cached_chars = len(data.decode("utf-8")) - tail_chars
         decision.encoded_chars = tail_chars
         if store is not None:
-            entries = [(keys[i], ends[n]) for n, i in enumerate(range(j + 1, len(cuts)))]
+            entries = [(keys[i], ends[n]) for n, i in enumerate(range(first_new, len(cuts)))]
             entries.append((exact_key, ends[-1]))
             try:
-                store.put(keys[j] if j >= 0 else None, len(prefix) // 4, flat, entries, Kind.L1)
+                store.put(parent, len(prefix) // 4, flat, entries, Kind.L1)
             except StoreError:
                 log.exception("store write failed; result served uncached")
-        return prefix + flat
+        return prefix + flat, exact_key
+
+    def _prefix_ar(self, store: Store, data: bytes, salt: str, mode: bytes, spans: list[tuple[int, int]],
+                   j: int, start: int) -> tuple[int, int, bytes, bytes] | None:
+        """The longest recorded output ending where a boundary token starts, beyond the L1 hit.
+
+        Returns (index of that boundary, its start offset, AR key, ids) or None.
+        Keys are derived only past the L1 hit: one extra hash of the cached
+        prefix instead of an extra digest at every boundary of the text.
+        """
+        candidates = [(i, s) for i, (s, _) in enumerate(spans) if i > j and s >= start]
+        if not candidates:
+            return None
+        stream = KeyStream(salt, mode)
+        stream.feed(data[:start])
+        pos = start
+        keyed: list[tuple[int, int, bytes]] = []
+        for i, s in candidates:
+            stream.feed(data[pos:s])
+            pos = s
+            keyed.append((i, s, stream.output_key()))
+        for i, s, key in reversed(keyed):
+            hit = store.get(key)
+            if hit is not None:
+                return i, s, key, hit
+        return None
+
+    def _encode_pieces(self, pieces: list[tuple[bytes, bytes]], salt: str, mode: bytes,
+                       store: Store | None) -> tuple[bytes, list[int], int]:
+        """Encode ``pieces`` (body, boundary token) in one call; with a store, splice segment AR.
+
+        A body whose text — from its start, or after one of its first
+        newlines (a role header such as ``assistant\\n``) — is a recorded
+        output is encoded as ``encode(header) + recorded ids``. Returns (flat
+        ids, cumulative token count after each piece, spliced token count).
+        """
+        splices: dict[int, tuple[int, bytes]] = {}
+        if store is not None:
+            for n, (body, _) in enumerate(pieces):
+                if len(body) < _MIN_SEGMENT_BYTES:
+                    continue
+                for p in _segment_starts(body):
+                    hit = store.get(segment_key(salt, mode, body[p:]))
+                    if hit is not None:
+                        splices[n] = (p, hit)
+                        break
+        if not splices:
+            return self.encoder.encode_segments([(b + t).decode("utf-8") for b, t in pieces]) + (0,)
+        # Spliced pieces are encoded as two texts (header, token) around the recorded ids.
+        texts: list[str] = []
+        for n, (body, token) in enumerate(pieces):
+            if n in splices:
+                texts += [body[:splices[n][0]].decode("utf-8"), token.decode("utf-8")]
+            else:
+                texts.append((body + token).decode("utf-8"))
+        flat, ends = self.encoder.encode_segments(texts)
+        out: list[bytes] = []
+        piece_ends: list[int] = []
+        total = prev = k = spliced = 0
+        for n in range(len(pieces)):
+            if n in splices:
+                head, tok = flat[prev * 4:ends[k] * 4], flat[ends[k] * 4:ends[k + 1] * 4]
+                ar_ids = splices[n][1]
+                chunk = head + ar_ids + tok
+                spliced += len(ar_ids) // 4
+                prev = ends[k + 1]
+                k += 2
+            else:
+                chunk = flat[prev * 4:ends[k] * 4]
+                prev = ends[k]
+                k += 1
+            out.append(chunk)
+            total += len(chunk) // 4
+            piece_ends.append(total)
+        return b"".join(out), piece_ends, spliced
+
+    # -- AR: recorded outputs ---------------------------------------------
+
+    def record_output(self, *, prompt_text: str, prompt_ids: list[int], output_text: str,
+                      output_ids: list[int], finish_reason: str = "stop", stop_token_id: int | None = None,
+                      stop_string: str | None = None, salt: str = "",
+                      prompt_add_special_tokens: bool = False) -> RecordResult:
+        """Verify a finished generation and store its AR entries (kv-stable namespace).
+
+        Raises InvalidRequest (nothing stored) when the output ids do not
+        decode to the text, an id is out of the vocabulary, the finish was a
+        stop string, or the prompt ids are neither what tokcache serves for
+        ``prompt_text`` nor its canonical tokenization.
+        """
+        if self.store is None:
+            raise InvalidRequest("model", "no cache configured")
+        for field_name, text in (("prompt_text", prompt_text), ("output_text", output_text)):
+            if len(text) > self.limits.max_text_bytes:  # chars <= bytes: a cheap first test
+                raise RequestTooLarge(field_name, self.limits.max_text_bytes)
+        if prompt_ids and max(prompt_ids) >= self.vocab_size:
+            raise InvalidRequest("prompt_token_ids", f"id {max(prompt_ids)} is outside the vocabulary "
+                                                     f"(size {self.vocab_size})")
+        verified = verify_output(
+            output_text=output_text, output_ids=output_ids, finish_reason=finish_reason,
+            stop_token_id=stop_token_id, stop_string=stop_string, vocab_size=self.vocab_size,
+            special_ids=self.special_ids, decode=self._decode)
+        # The prompt: what we serve for it (kv-stable), or its canonical ids.
+        try:
+            data = prompt_text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise InvalidRequest("prompt_text", f"not valid Unicode at index {exc.start}") from exc
+        affix_pre = list(self.affixes.prefix) if prompt_add_special_tokens else []
+        affix_suf = list(self.affixes.suffix) if prompt_add_special_tokens else []
+        if affix_suf:
+            raise InvalidRequest("prompt_add_special_tokens",
+                                 "this tokenizer appends special tokens to prompts; outputs cannot follow them")
+        if prompt_ids[:len(affix_pre)] != affix_pre:
+            raise InvalidRequest("prompt_token_ids", "does not start with the tokenizer's BOS tokens")
+        raw_prompt = prompt_ids[len(affix_pre):]
+        served, prompt_key = self._lookup_encode(data, salt, MODE_KV_STABLE, Decision())
+        out_bytes = _le(array("I", verified.ids))
+        if _le(array("I", raw_prompt)) == served:
+            parent, parent_tokens, record = prompt_key, len(raw_prompt), out_bytes
+        elif raw_prompt == self.encoder.encode(prompt_text):
+            parent, parent_tokens, record = None, 0, _le(array("I", raw_prompt)) + out_bytes
+        else:
+            raise InvalidRequest("prompt_token_ids", "not what tokcache serves for prompt_text, "
+                                                     "nor its canonical tokenization")
+        stream = KeyStream(salt, MODE_KV_STABLE)
+        stream.feed(data)
+        stream.feed(output_text.encode("utf-8"))
+        prefix_key = stream.output_key()
+        n_out = len(verified.ids)
+        entries = 1
+        self.store.put(parent, parent_tokens, record, [(prefix_key, len(record) // 4)], Kind.AR)
+        # Segment entries, one record per distinct start token.
+        by_start: dict[int, list[tuple[bytes, int]]] = {}
+        for seg in segment_variants(output_text, verified.ids, self.token_bytes):
+            key = segment_key(salt, MODE_KV_STABLE, seg.text.encode("utf-8"))
+            by_start.setdefault(seg.start, []).append((key, seg.end - seg.start))
+        for seg_start, keys in by_start.items():
+            self.store.put(None, 0, _le(array("I", verified.ids[seg_start:])), keys, Kind.AR)
+            entries += len(keys)
+        return RecordResult(recorded_tokens=n_out, stop_token_dropped=verified.stop_token_dropped,
+                            entries=entries)
+
+    def _decode(self, ids: list[int]) -> str:
+        return str(self.reference.tokenizer.decode(ids, skip_special_tokens=False))
 
     @staticmethod
     def _longest(store: Store, keys: list[bytes]) -> tuple[int, bytes]:

@@ -192,3 +192,55 @@ class ListModelsResponse(_message.Message):
     MODELS_FIELD_NUMBER: _ClassVar[int]
     models: _containers.RepeatedCompositeFieldContainer[ModelInfo]
     def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
+
+class RecordOutputRequest(_message.Message):
+    __slots__ = ("model", "cache_salt", "prompt_text", "prompt_token_ids", "output_text", "output_token_ids", "finish_reason", "stop_token_id", "stop_string", "prompt_add_special_tokens")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TEXT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TEXT_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    STOP_STRING_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_ADD_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    cache_salt: str
+    prompt_text: str
+    prompt_token_ids: bytes
+    output_text: str
+    output_token_ids: bytes
+    finish_reason: str
+    stop_token_id: int
+    stop_string: str
+    prompt_add_special_tokens: bool
+    def __init__(self, model: _Optional[str] = ..., cache_salt: _Optional[str] = ..., prompt_text: _Optional[str] = ..., prompt_token_ids: _Optional[bytes] = ..., output_text: _Optional[str] = ..., output_token_ids: _Optional[bytes] = ..., finish_reason: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., stop_string: _Optional[str] = ..., prompt_add_special_tokens: _Optional[bool] = ...) -> None: ...
+
+class RecordOutputResponse(_message.Message):
+    __slots__ = ("recorded_tokens", "stop_token_dropped", "entries")
+    RECORDED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    recorded_tokens: int
+    stop_token_dropped: bool
+    entries: int
+    def __init__(self, recorded_tokens: _Optional[int] = ..., stop_token_dropped: _Optional[bool] = ..., entries: _Optional[int] = ...) -> None: ...
+
+class RecordRefusal(_message.Message):
+    __slots__ = ("index", "reason")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    reason: str
+    def __init__(self, index: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class RecordOutputsResponse(_message.Message):
+    __slots__ = ("recorded", "refused", "refusals")
+    RECORDED_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    REFUSALS_FIELD_NUMBER: _ClassVar[int]
+    recorded: int
+    refused: int
+    refusals: _containers.RepeatedCompositeFieldContainer[RecordRefusal]
+    def __init__(self, recorded: _Optional[int] = ..., refused: _Optional[int] = ..., refusals: _Optional[_Iterable[_Union[RecordRefusal, _Mapping]]] = ...) -> None: ...

@@ -49,6 +49,16 @@ class TokenizerStub:
                 request_serializer=tokcache_dot_v1_dot_tokenizer__pb2.ListModelsRequest.SerializeToString,
                 response_deserializer=tokcache_dot_v1_dot_tokenizer__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
+        self.RecordOutput = channel.unary_unary(
+                '/tokcache.v1.Tokenizer/RecordOutput',
+                request_serializer=tokcache_dot_v1_dot_tokenizer__pb2.RecordOutputRequest.SerializeToString,
+                response_deserializer=tokcache_dot_v1_dot_tokenizer__pb2.RecordOutputResponse.FromString,
+                _registered_method=True)
+        self.RecordOutputs = channel.stream_unary(
+                '/tokcache.v1.Tokenizer/RecordOutputs',
+                request_serializer=tokcache_dot_v1_dot_tokenizer__pb2.RecordOutputRequest.SerializeToString,
+                response_deserializer=tokcache_dot_v1_dot_tokenizer__pb2.RecordOutputsResponse.FromString,
+                _registered_method=True)
 
 
 class TokenizerServicer:
@@ -75,6 +85,20 @@ class TokenizerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RecordOutput(self, request, context):
+        """Record what the model generated for a prompt (AR cache), after verifying it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RecordOutputs(self, request_iterator, context):
+        """Many records on one stream; a refused record does not end the stream.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TokenizerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -92,6 +116,16 @@ def add_TokenizerServicer_to_server(servicer, server):
                     servicer.ListModels,
                     request_deserializer=tokcache_dot_v1_dot_tokenizer__pb2.ListModelsRequest.FromString,
                     response_serializer=tokcache_dot_v1_dot_tokenizer__pb2.ListModelsResponse.SerializeToString,
+            ),
+            'RecordOutput': grpc.unary_unary_rpc_method_handler(
+                    servicer.RecordOutput,
+                    request_deserializer=tokcache_dot_v1_dot_tokenizer__pb2.RecordOutputRequest.FromString,
+                    response_serializer=tokcache_dot_v1_dot_tokenizer__pb2.RecordOutputResponse.SerializeToString,
+            ),
+            'RecordOutputs': grpc.stream_unary_rpc_method_handler(
+                    servicer.RecordOutputs,
+                    request_deserializer=tokcache_dot_v1_dot_tokenizer__pb2.RecordOutputRequest.FromString,
+                    response_serializer=tokcache_dot_v1_dot_tokenizer__pb2.RecordOutputsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -175,6 +209,60 @@ class Tokenizer:
             '/tokcache.v1.Tokenizer/ListModels',
             tokcache_dot_v1_dot_tokenizer__pb2.ListModelsRequest.SerializeToString,
             tokcache_dot_v1_dot_tokenizer__pb2.ListModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RecordOutput(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tokcache.v1.Tokenizer/RecordOutput',
+            tokcache_dot_v1_dot_tokenizer__pb2.RecordOutputRequest.SerializeToString,
+            tokcache_dot_v1_dot_tokenizer__pb2.RecordOutputResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RecordOutputs(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/tokcache.v1.Tokenizer/RecordOutputs',
+            tokcache_dot_v1_dot_tokenizer__pb2.RecordOutputRequest.SerializeToString,
+            tokcache_dot_v1_dot_tokenizer__pb2.RecordOutputsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,116 @@
+"""AR records: verify a model output before it may enter the cache, and derive its keys.
+
+Verification (nothing unverified is stored; a refusal changes nothing):
+
+* every id is in the vocabulary;
+* ``decode(ids) == output_text`` — after dropping one trailing stop/EOS id
+  that is absent from the text (vLLM keeps EOS in ``token_ids``, not in
+  ``text``);
+* a finish by stop *string* is refused: vLLM truncates the text at the
+  string but not the ids, so the ids run past the text;
+* the prompt ids are what tokcache serves for the prompt text (checked by
+  the engine, which owns the cache).
+
+Keys: the *prefix* entry (prompt text + output text → prompt ids + output
+ids) and *segment* entries (output text alone → output ids), for the whole
+output and for variants templates produce when they re-render history: the
+content after ``</think>`` and whitespace-trimmed forms — each only where its
+start and end fall on token boundaries of the generated ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from sidecar.engine.errors import InvalidRequest
+from sidecar.engine.tokenbytes import TokenBytes
+
+__all__ = ["Segment", "VerifiedOutput", "segment_variants", "verify_output"]
+
+THINK_END = "</think>"
+
+
+@dataclass(frozen=True)
+class VerifiedOutput:
+    """Output ids that decode exactly to the output text."""
+
+    ids: list[int]
+    stop_token_dropped: bool
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A variant of the output text and the token slice ``ids[start:end]`` that spells it."""
+
+    text: str
+    start: int
+    end: int
+
+
+def verify_output(*, output_text: str, output_ids: list[int], finish_reason: str,
+                  stop_token_id: int | None, stop_string: str | None, vocab_size: int,
+                  special_ids: frozenset[int], decode: Callable[[list[int]], str]) -> VerifiedOutput:
+    """Check an output as described in the module docstring; InvalidRequest names the reason."""
+    if stop_string is not None:
+        raise InvalidRequest("stop_string", "a finish by stop string is not recorded: "
+                                            "the ids run past the text")
+    if not output_ids:
+        raise InvalidRequest("output_token_ids", "empty")
+    bad = next((i for i in output_ids if i >= vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest("output_token_ids", f"id {bad} is outside the vocabulary (size {vocab_size})")
+    if decode(output_ids) == output_text:
+        return VerifiedOutput(list(output_ids), False)
+    last = output_ids[-1]
+    droppable = last == stop_token_id or last in special_ids
+    if finish_reason in ("stop", "") and droppable and decode(output_ids[:-1]) == output_text:
+        return VerifiedOutput(list(output_ids[:-1]), True)
+    raise InvalidRequest("output_token_ids", "decode(output_token_ids) does not equal output_text")
+
+
+def segment_variants(output_text: str, ids: list[int], token_bytes: TokenBytes | None) -> list[Segment]:
+    """The segment keys of a verified output: whole, after-``</think>``, trimmed.
+
+    Without a byte table only the whole output is keyed (its boundaries are
+    the ids' ends by construction).
+    """
+    whole = Segment(output_text, 0, len(ids))
+    if token_bytes is None or not output_text:
+        return [whole] if output_text else []
+    offsets = token_bytes.offsets(ids)
+    if offsets is None or offsets[-1] != len(output_text.encode("utf-8")):
+        return [whole]
+    index = {off: k + 1 for k, off in enumerate(offsets)}
+    index[0] = 0
+    data = output_text.encode("utf-8")
+
+    def cut(start_char: int, end_char: int) -> Segment | None:
+        a = len(output_text[:start_char].encode("utf-8"))
+        b = len(data) - len(output_text[end_char:].encode("utf-8"))
+        if a >= b or a not in index or b not in index:
+            return None
+        return Segment(output_text[start_char:end_char], index[a], index[b])
+
+    spans: set[tuple[int, int]] = {(0, len(output_text))}
+    body_start = 0
+    pos = output_text.rfind(THINK_END)
+    if pos >= 0:
+        body_start = pos + len(THINK_END)
+        spans.add((body_start, len(output_text)))
+    for start in {0, body_start}:
+        body = output_text[start:]
+        lead_nl = len(body) - len(body.lstrip("\n"))
+        lead_ws = len(body) - len(body.lstrip())
+        trail_ws = len(body) - len(body.rstrip())
+        for a in {start + lead_nl, start + lead_ws}:
+            for b in {len(output_text), len(output_text) - trail_ws}:
+                spans.add((a, b))
+    out = [whole]
+    for a, b in sorted(spans):
+        if (a, b) == (0, len(output_text)):
+            continue
+        seg = cut(a, b)
+        if seg is not None and seg.text:
+            out.append(seg)
+    return out
