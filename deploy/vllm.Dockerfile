@@ -1,0 +1,28 @@
+# syntax=docker/dockerfile:1
+#
+# vLLM with the tokcache plugin (`--tokenizer-mode tokcache`). Build from the repository root:
+#
+#   docker build -f deploy/vllm.Dockerfile -t REGISTRY/vllm-tokcache:0.33.0-tokcache0.1.0 \
+#       --build-arg VLLM_IMAGE=vllm/vllm-openai:v0.33.0 .
+#
+# This is `pip install 'tokcache[vllm]'` from this checkout: tokcache is not published on PyPI,
+# so installing it by name from an index would fetch nothing (or somebody else's package).
+# The `vllm` extra is already satisfied by the base image; pip only adds tokcache's client
+# dependencies. Pin VLLM_IMAGE to a vLLM whose hook points the plugin supports (DESIGN.md).
+
+ARG VLLM_IMAGE=vllm/vllm-openai:v0.33.0
+FROM ${VLLM_IMAGE}
+
+COPY . /tmp/tokcache-src
+RUN python3 -m pip install --no-cache-dir "/tmp/tokcache-src[vllm]" \
+ && rm -rf /tmp/tokcache-src \
+ && python3 -c "import sidecar_client"
+
+# The pod runs vLLM as uid 10001, the sidecar's uid (deploy/base/deployment.yaml explains why).
+# A passwd entry keeps getpass.getuser() (torch's compile caches) working for that uid.
+RUN (getent group 10001 || groupadd --gid 10001 tokcache) \
+ && (getent passwd 10001 || useradd --uid 10001 --gid 10001 --home-dir /home/vllm --create-home \
+        --shell /usr/sbin/nologin vllm)
+
+LABEL org.opencontainers.image.title="vllm-tokcache" \
+      org.opencontainers.image.description="vLLM with the tokcache tokenizer plugin"
