@@ -69,48 +69,46 @@ def verify_output(*, output_text: str, output_ids: list[int], finish_reason: str
     raise InvalidRequest("output_token_ids", "decode(output_token_ids) does not equal output_text")
 
 
-def segment_variants(output_text: str, ids: list[int], token_bytes: TokenBytes | None) -> list[Segment]:
-    """The segment keys of a verified output: whole, after-``</think>``, trimmed.
+def segment_variants(output_text: str, ids: list[int], token_bytes: TokenBytes | None,
+                     boundary_spans: list[tuple[int, int]] = ()) -> list[Segment]:  # type: ignore[assignment]
+    """The segment keys of a verified output.
 
-    Without a byte table only the whole output is keyed (its boundaries are
-    the ids' ends by construction).
+    The output is cut at its own boundary tokens (``<think>``, ``</think>``,
+    ``<tool_call>`` …), because a prompt is looked up piece by piece between
+    boundaries: each piece of the output, and its whitespace-trimmed forms
+    (``lstrip("\\n")``, ``strip()`` … — what templates do to history), is
+    keyed where its ends fall on token boundaries of the generated ids.
+    ``boundary_spans`` are byte offsets in the UTF-8 output. Without a byte
+    table only the whole output is keyed.
     """
     whole = Segment(output_text, 0, len(ids))
     if token_bytes is None or not output_text:
         return [whole] if output_text else []
+    data = output_text.encode("utf-8")
     offsets = token_bytes.offsets(ids)
-    if offsets is None or offsets[-1] != len(output_text.encode("utf-8")):
+    if offsets is None or offsets[-1] != len(data):
         return [whole]
     index = {off: k + 1 for k, off in enumerate(offsets)}
     index[0] = 0
-    data = output_text.encode("utf-8")
-
-    def cut(start_char: int, end_char: int) -> Segment | None:
-        a = len(output_text[:start_char].encode("utf-8"))
-        b = len(data) - len(output_text[end_char:].encode("utf-8"))
-        if a >= b or a not in index or b not in index:
-            return None
-        return Segment(output_text[start_char:end_char], index[a], index[b])
-
-    spans: set[tuple[int, int]] = {(0, len(output_text))}
-    body_start = 0
-    pos = output_text.rfind(THINK_END)
-    if pos >= 0:
-        body_start = pos + len(THINK_END)
-        spans.add((body_start, len(output_text)))
-    for start in {0, body_start}:
-        body = output_text[start:]
-        lead_nl = len(body) - len(body.lstrip("\n"))
-        lead_ws = len(body) - len(body.lstrip())
-        trail_ws = len(body) - len(body.rstrip())
-        for a in {start + lead_nl, start + lead_ws}:
-            for b in {len(output_text), len(output_text) - trail_ws}:
-                spans.add((a, b))
-    out = [whole]
-    for a, b in sorted(spans):
-        if (a, b) == (0, len(output_text)):
+    pieces: list[tuple[int, int]] = []
+    a = 0
+    for s, e in boundary_spans:
+        pieces.append((a, s))
+        a = e
+    pieces.append((a, len(data)))
+    spans: set[tuple[int, int]] = {(0, len(data))}
+    for a, b in pieces:
+        piece = data[a:b].decode("utf-8")
+        if not piece.strip():
             continue
-        seg = cut(a, b)
-        if seg is not None and seg.text:
-            out.append(seg)
+        heads = {0, len(piece) - len(piece.lstrip("\n")), len(piece) - len(piece.lstrip())}
+        tails = {len(piece), len(piece.rstrip())}
+        for h in heads:
+            for t in tails:
+                if h < t:
+                    spans.add((a + len(piece[:h].encode("utf-8")), a + len(piece[:t].encode("utf-8"))))
+    out: list[Segment] = []
+    for a, b in sorted(spans):
+        if a in index and b in index and index[a] < index[b]:
+            out.append(Segment(data[a:b].decode("utf-8"), index[a], index[b]))
     return out

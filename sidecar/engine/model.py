@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
+from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,8 +37,6 @@ from sidecar.engine.keys import MODE_EXACT, MODE_KV_STABLE, KeyStream, segment_k
 from sidecar.engine.render import ChatRenderer
 from sidecar.engine.tokenbytes import TokenBytes
 from sidecar.store import Kind, Store, StoreError
-
-from array import array
 
 log = logging.getLogger(__name__)
 
@@ -386,11 +385,15 @@ class ModelEngine:
         self.store.put(parent, parent_tokens, record, [(prefix_key, len(record) // 4)], Kind.AR)
         # Segment entries, one record per distinct start token.
         by_start: dict[int, list[tuple[bytes, int]]] = {}
-        for seg in segment_variants(output_text, verified.ids, self.token_bytes):
+        out_data = output_text.encode("utf-8")
+        for seg in segment_variants(output_text, verified.ids, self.token_bytes, self.scanner.spans(out_data)):
+            if len(seg.text) < _MIN_SEGMENT_BYTES and seg.text != output_text:
+                continue  # a tiny fragment ("\n") would splice into unrelated text
             key = segment_key(salt, MODE_KV_STABLE, seg.text.encode("utf-8"))
             by_start.setdefault(seg.start, []).append((key, seg.end - seg.start))
         for seg_start, keys in by_start.items():
-            self.store.put(None, 0, _le(array("I", verified.ids[seg_start:])), keys, Kind.AR)
+            longest = max(n for _, n in keys)
+            self.store.put(None, 0, _le(array("I", verified.ids[seg_start:seg_start + longest])), keys, Kind.AR)
             entries += len(keys)
         return RecordResult(recorded_tokens=n_out, stop_token_dropped=verified.stop_token_dropped,
                             entries=entries)
