@@ -1,0 +1,247 @@
+"""The binary format of a store segment: header page, index, arena.
+
+Everything here is a constant, a ``struct.Struct`` or a pure function of bytes, so the
+format can be read in one place and bumped with :data:`LAYOUT_VERSION`.
+
+Segment (all integers little-endian)::
+
+    0            HEADER_SIZE (one 4 KiB page)
+    | header     | index: n_buckets x BUCKET_SIZE   | pad to page | arena: arena_size bytes |
+
+Header page
+    ``[0, STATIC.size)``     static part, written once at creation (magic, version,
+                             fingerprint, size, geometry), covered by the 16-byte check at
+                             ``STATIC_CHECK_OFF``.
+    u64 words (index = byte offset / 8), each on a cache line by who writes it:
+        W_HEAD, W_TAIL       the arena log, written by the lock holder only;
+        W_RETIRED            RETIRED_MARK once the segment was replaced under its name;
+        W_LOCK_*             the writer lock holder (see ``_lock``);
+        W_HITS..W_CORRUPT    reader counters (lock-free read-modify-write: lossy);
+        W_PUTS..             writer counters (updated under the lock: exact).
+
+Index
+    Buckets of BUCKET_SIZE (512) bytes: BUCKET_SLOTS one-byte tags, padding to SLOTS_OFF,
+    then BUCKET_SLOTS slots of SLOT_SIZE bytes.
+    Slot = key (16) | lsn_kind u64 (kind << LSN_BITS | lsn) | expiry u32 | access u32.
+    Tag = a nonzero byte of the key (see ``tag_of``); tag 0 marks a free slot. A probe is
+    ``tags.find(tag)`` (memchr) and one 16-byte key compare per candidate: scanning the
+    slots themselves with ``bytes.find`` degrades badly on zero-filled buckets.
+    A key lives in one of two buckets (two-choice hashing: the low and the high 64 bits of
+    the key pick them), which keeps buckets from overflowing at high load.
+    Slots carry no checksum: a slot is only a hint, every hit is proven by the record it
+    points to (the record lists its keys), so a torn slot or tag costs a miss at most.
+
+Arena
+    A circular log addressed by a monotonic byte position, the LSN; position = lsn % size.
+    The live region is ``[tail, head)``; a record never wraps (the writer pads to the start).
+    Record = RECORD header | entries: n_entries x (key 16, n u32) | ids (u32 LE) | pad to 8.
+    The gap a writer skips at the end of the arena starts with (PAD_MAGIC, gap size) at
+    RECORD_MAGIC_OFF when it has room for a record header, so the evicting writer can step
+    over whole records from tail (to count them); a gap too short for that is implied.
+    ``check`` = first 16 bytes of blake3 over the record from byte 16 to its end, so it covers
+    the record's own LSN: two different records never share (lsn, check).
+    A record may link to a parent record by (parent_lsn, first 8 bytes of the parent's check,
+    ids used from the parent); the chain is therefore immutable and verifiable link by link.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Final
+
+from blake3 import blake3
+
+LAYOUT_VERSION: Final = 1
+MAGIC: Final = b"TOKCACHE"
+PAGE: Final = 4096
+HEADER_SIZE: Final = PAGE
+KEY_SIZE: Final = 16
+FINGERPRINT_SIZE: Final = 16
+CHECK_SIZE: Final = 16
+LINK_CHECK_SIZE: Final = 8
+ZERO_KEY: Final = bytes(KEY_SIZE)
+
+# --- header -----------------------------------------------------------------------------
+# magic | version | header_size | fingerprint | size | index_off | n_buckets | arena_off |
+# arena_size | slot_size | bucket_slots | created (epoch s)
+STATIC: Final = struct.Struct("<8sII16sQQQQQIIQ")
+STATIC_CHECK_OFF: Final = 96
+assert STATIC.size <= STATIC_CHECK_OFF
+
+W_HEAD: Final = 32  # byte 256
+W_TAIL: Final = 33
+W_RETIRED: Final = 34
+W_LOCK_PID: Final = 40  # byte 320
+W_LOCK_START: Final = 41
+W_LOCK_PIDNS: Final = 42
+W_LOCK_EPOCH: Final = 43
+W_LOCK_RECOVERIES: Final = 44
+W_HITS: Final = 48  # byte 384: counters readers bump without the lock
+W_MISSES: Final = 49
+W_EXPIRED: Final = 50
+W_CORRUPT: Final = 51
+W_PUTS: Final = 56  # byte 448: counters only the lock holder bumps
+W_EVICTIONS: Final = 57
+W_INDEX_EVICTIONS: Final = 58
+W_CONSOLIDATIONS: Final = 59
+# Eight arbitrary bytes: a random write landing on W_RETIRED must not retire a segment.
+RETIRED_MARK: Final = int.from_bytes(b"RETIRED!", "little")
+
+# --- index ------------------------------------------------------------------------------
+SLOT: Final = struct.Struct("<16sQII")
+SLOT_SIZE: Final = SLOT.size
+SLOT_TAIL: Final = struct.Struct("<QII")  # the slot after its key
+SLOT_ACCESS_OFF: Final = 28
+BUCKET_SLOTS: Final = 15
+SLOTS_OFF: Final = 32  # tags, then slots from here (32-byte aligned)
+BUCKET_SIZE: Final = SLOTS_OFF + SLOT_SIZE * BUCKET_SLOTS
+assert BUCKET_SIZE == 512
+# One slot per this many arena bytes. A request's record is ~1-4 KB carrying 4-10 keys, so
+# ~190 bytes per key: at this ratio the index and the arena fill at about the same pace
+# (index = 14% of the segment).
+ARENA_BYTES_PER_SLOT: Final = 192
+
+LSN_BITS: Final = 56
+LSN_MASK: Final = (1 << LSN_BITS) - 1
+# Past this the writer restarts the log at 0 (after 32 PiB written): old slots then point
+# beyond head and record identity (lsn in the check) keeps reused positions apart.
+LSN_SOFT_LIMIT: Final = 1 << 55
+
+# --- records ----------------------------------------------------------------------------
+# check | magic | size | lsn | parent_lsn | parent_check | parent_n | base_tokens | n_ids |
+# n_entries | kind | flags | expiry (epoch s, 0 = never) | parent_size | floor
+# ``parent_size`` lets a reader copy the parent in one slice. ``floor`` is the LSN of the
+# oldest record of the chain (own LSN without a parent): the chain is unreadable once tail
+# passes it, which readers and the writer test in O(1).
+RECORD: Final = struct.Struct("<16sIIQQ8sIIIHBBIIQ")
+RECORD_SIZE: Final = RECORD.size
+ENTRY: Final = struct.Struct("<16sI")
+ENTRY_SIZE: Final = ENTRY.size
+RECORD_MAGIC: Final = int.from_bytes(b"TKR1", "little")
+PAD_MAGIC: Final = int.from_bytes(b"TKP1", "little")
+MAGIC_SIZE: Final = struct.Struct("<II")  # (magic, size) at RECORD_MAGIC_OFF
+RECORD_MAGIC_OFF: Final = 16
+RECORD_SIZE_OFF: Final = 20
+RECORD_ALIGN: Final = 8
+MIN_RECORD: Final = (RECORD_SIZE + ENTRY_SIZE + RECORD_ALIGN - 1) & ~(RECORD_ALIGN - 1)
+F_HAS_PARENT: Final = 1
+F_CONSOLIDATED: Final = 2
+U32: Final = struct.Struct("<I")
+U32_MAX: Final = 0xFFFFFFFF
+MAX_ENTRIES: Final = 0xFFFF
+
+MIN_ARENA: Final = 16 * 1024
+MIN_SIZE: Final = HEADER_SIZE + BUCKET_SIZE + PAGE + MIN_ARENA
+MAX_SIZE: Final = 1 << 44  # 16 TiB: far beyond any cap, keeps every offset small
+
+
+def check_of(data: bytes | bytearray | memoryview) -> bytes:
+    """The 16-byte blake3 check of ``data`` (record body or static header)."""
+    return bytes(blake3(data).digest(CHECK_SIZE))
+
+
+def tag_of(key: bytes) -> int:
+    """The key's bucket tag: bytes 7 and 15 mixed (the bucket hashes use the full halves), never 0."""
+    return key[7] ^ key[15] or 1
+
+
+def record_size(n_entries: int, ids_bytes: int) -> int:
+    """Bytes a record with ``n_entries`` keys and ``ids_bytes`` of ids occupies, padded."""
+    raw = RECORD_SIZE + ENTRY_SIZE * n_entries + ids_bytes
+    return (raw + RECORD_ALIGN - 1) & ~(RECORD_ALIGN - 1)
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Where the index and the arena live in a segment of ``size`` bytes."""
+
+    size: int
+    index_off: int
+    n_buckets: int
+    arena_off: int
+    arena_size: int
+
+    @property
+    def index_slots(self) -> int:
+        return self.n_buckets * BUCKET_SLOTS
+
+
+def geometry_for(size: int) -> Geometry:
+    """The one geometry a segment of ``size`` bytes has (a pure function of the size).
+
+    Raises ValueError when ``size`` is outside ``[MIN_SIZE, MAX_SIZE]``.
+    """
+    if not MIN_SIZE <= size <= MAX_SIZE:
+        raise ValueError(f"size must be in [{MIN_SIZE}, {MAX_SIZE}] bytes, got {size}")
+    usable = size - HEADER_SIZE - PAGE
+    n_buckets = max(1, usable // (ARENA_BYTES_PER_SLOT + SLOT_SIZE) // BUCKET_SLOTS)
+    index_off = HEADER_SIZE
+    # The arena starts on a page so its pages can later be given back independently.
+    arena_off = (index_off + n_buckets * BUCKET_SIZE + PAGE - 1) // PAGE * PAGE
+    arena_size = (size - arena_off) // RECORD_ALIGN * RECORD_ALIGN
+    return Geometry(size, index_off, n_buckets, arena_off, arena_size)
+
+
+def pack_static(geometry: Geometry, fingerprint: bytes, created: int) -> bytes:
+    """The static header part followed by its check (``STATIC_CHECK_OFF + CHECK_SIZE`` bytes)."""
+    static = STATIC.pack(
+        MAGIC,
+        LAYOUT_VERSION,
+        HEADER_SIZE,
+        fingerprint,
+        geometry.size,
+        geometry.index_off,
+        geometry.n_buckets,
+        geometry.arena_off,
+        geometry.arena_size,
+        SLOT_SIZE,
+        BUCKET_SLOTS,
+        created,
+    ).ljust(STATIC_CHECK_OFF, b"\0")
+    return static + check_of(static)
+
+
+@dataclass(frozen=True)
+class StaticHeader:
+    """The decoded static header of an existing segment (not yet validated)."""
+
+    magic: bytes
+    version: int
+    header_size: int
+    fingerprint: bytes
+    geometry: Geometry
+    slot_size: int
+    bucket_slots: int
+    created: int
+    check_ok: bool
+
+
+def unpack_static(page: bytes) -> StaticHeader:
+    """Decode the static part of a header page (``page`` holds at least its first bytes)."""
+    (
+        magic,
+        version,
+        header_size,
+        fingerprint,
+        size,
+        index_off,
+        n_buckets,
+        arena_off,
+        arena_size,
+        slot_size,
+        bucket_slots,
+        created,
+    ) = STATIC.unpack_from(page)
+    check_ok = page[STATIC_CHECK_OFF : STATIC_CHECK_OFF + CHECK_SIZE] == check_of(page[:STATIC_CHECK_OFF])
+    return StaticHeader(
+        magic=magic,
+        version=version,
+        header_size=header_size,
+        fingerprint=fingerprint,
+        geometry=Geometry(size, index_off, n_buckets, arena_off, arena_size),
+        slot_size=slot_size,
+        bucket_slots=bucket_slots,
+        created=created,
+        check_ok=check_ok,
+    )

@@ -1,0 +1,253 @@
+"""POSIX shared-memory segments: create, attach, validate, replace.
+
+A segment's name only ever refers to a fully initialised segment or to nothing:
+
+* **create** builds the segment under a temporary name, writes the header, then publishes it
+  with ``link(2)``, which fails if the name exists (atomic create-if-absent). POSIX shm has
+  no rename or link call, so this uses the tmpfs that backs it on Linux (``/dev/shm``).
+* **attach** opens the name, checks the file size and the header (magic, layout version,
+  header check, fingerprint, geometry) and maps it.
+* **replace** happens when attach finds a segment this opener cannot use. Under an
+  ``flock`` on that segment's file, the replacer re-checks that the name still refers to the
+  same inode, marks the old segment retired (so processes still attached stop writing to it)
+  and unlinks it; then it creates a new one. Concurrent replacers of one inode serialise on
+  the flock and the second finds the name changed, so no one unlinks a fresh segment.
+
+Linux only: the flock, ``/dev/shm`` and ``/proc`` are assumed.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import mmap
+import os
+import secrets
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import posix_ipc
+
+from . import _layout
+from ._layout import HEADER_SIZE, MAGIC, RETIRED_MARK, W_RETIRED, Geometry
+from .errors import SegmentError, SegmentMismatch
+
+__all__ = ["SHM_DIR", "Segment", "flocked", "open_segment", "shm_path", "unlink_segment"]
+
+log = logging.getLogger(__name__)
+
+SHM_DIR: Final = "/dev/shm"
+MODE: Final = 0o600
+_OPEN_ATTEMPTS: Final = 16
+# A creator publishes its temporary within milliseconds; older leftovers come from a crash.
+_STALE_TEMP_SECONDS: Final = 60.0
+
+
+def shm_path(name: str) -> str:
+    """The tmpfs path behind the POSIX shm ``name`` ("/x" -> "/dev/shm/x")."""
+    return os.path.join(SHM_DIR, name.lstrip("/"))
+
+
+@contextmanager
+def flocked(fd: int) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``fd`` for the block.
+
+    Guards rare maintenance on one segment inode (replacement, writer-lock recovery). The
+    kernel drops it when the holder dies, so it cannot be left stuck the way the semaphore
+    can. Blocking is fine: every holder does a few syscalls and lets go.
+    """
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+
+
+@dataclass(eq=False)
+class Segment:
+    """One mapped segment. Owns the mapping and the shm file descriptor."""
+
+    name: str
+    geometry: Geometry
+    mm: mmap.mmap
+    inode: int
+    attached_existing: bool
+    _shm: Any = field(repr=False)
+    _closed: bool = field(default=False, repr=False)
+
+    @property
+    def fd(self) -> int:
+        return int(self._shm.fd)
+
+    def close(self) -> None:
+        """Unmap and close the descriptor. Idempotent. No view of ``mm`` may remain."""
+        if self._closed:
+            return
+        self.mm.close()
+        self._shm.close_fd()
+        self._closed = True
+
+
+def open_segment(name: str, fingerprint: bytes, size: int) -> Segment:
+    """Attach to ``name`` if it holds a valid segment for (fingerprint, size), else replace it.
+
+    Raises SegmentError on OS failures (the caller translates posix_ipc/OS errors) and
+    ValueError for an unusable size.
+    """
+    if len(fingerprint) != _layout.FINGERPRINT_SIZE:
+        raise ValueError(f"fingerprint must be {_layout.FINGERPRINT_SIZE} bytes")
+    geometry = _layout.geometry_for(size)
+    _remove_stale_temporaries(name)
+    for _ in range(_OPEN_ATTEMPTS):
+        try:
+            shm = posix_ipc.SharedMemory(name)
+        except posix_ipc.ExistentialError:
+            shm = None
+        if shm is not None:
+            try:
+                return _attach(shm, name, fingerprint, geometry)
+            except SegmentMismatch as exc:
+                log.warning("replacing shared-memory segment %s: %s", name, exc)
+                _retire(shm, name)
+        segment = _create(name, fingerprint, geometry)
+        if segment is not None:
+            return segment
+    raise SegmentError(f"open {name}: lost the create/replace race {_OPEN_ATTEMPTS} times")
+
+
+def validate(page: bytes, fingerprint: bytes, geometry: Geometry) -> None:
+    """Raise SegmentMismatch unless the header ``page`` is ours and matches the request."""
+    header = _layout.unpack_static(page)
+    if header.magic != MAGIC:
+        raise SegmentMismatch(f"bad magic {header.magic!r}")
+    if header.version != _layout.LAYOUT_VERSION:
+        raise SegmentMismatch(f"layout version {header.version}, this code writes {_layout.LAYOUT_VERSION}")
+    if not header.check_ok:
+        raise SegmentMismatch("header check failed (corrupted header)")
+    if header.fingerprint != fingerprint:
+        raise SegmentMismatch(f"fingerprint {header.fingerprint.hex()} != {fingerprint.hex()}")
+    if (
+        header.header_size != HEADER_SIZE
+        or header.slot_size != _layout.SLOT_SIZE
+        or header.bucket_slots != _layout.BUCKET_SLOTS
+        or header.geometry != geometry
+    ):
+        raise SegmentMismatch(f"geometry {header.geometry} != requested {geometry}")
+    retired = int.from_bytes(page[W_RETIRED * 8 : W_RETIRED * 8 + 8], "little")
+    if retired == RETIRED_MARK:
+        raise SegmentMismatch("segment was retired")
+
+
+def _attach(shm: Any, name: str, fingerprint: bytes, geometry: Geometry) -> Segment:
+    """Map and validate an existing segment; on SegmentMismatch ``shm`` stays open."""
+    fd = int(shm.fd)
+    try:
+        stat = os.fstat(fd)
+        if stat.st_size != geometry.size:
+            raise SegmentMismatch(f"size {stat.st_size} != requested {geometry.size}")
+        mm = mmap.mmap(fd, geometry.size)
+    except SegmentMismatch:
+        raise
+    except BaseException:
+        shm.close_fd()
+        raise
+    try:
+        validate(mm[:HEADER_SIZE], fingerprint, geometry)
+    except SegmentMismatch:
+        mm.close()
+        raise
+    except BaseException:
+        mm.close()
+        shm.close_fd()
+        raise
+    return Segment(name, geometry, mm, stat.st_ino, True, shm)
+
+
+def _retire(shm: Any, name: str) -> None:
+    """Unlink ``name`` if it still refers to ``shm``'s inode, marking the segment retired."""
+    fd = int(shm.fd)
+    try:
+        with flocked(fd):
+            try:
+                current = os.stat(shm_path(name)).st_ino
+            except FileNotFoundError:
+                return
+            if current != os.fstat(fd).st_ino:
+                return  # someone replaced it while we waited for the flock
+            _mark_retired(fd)
+            os.unlink(shm_path(name))
+    finally:
+        shm.close_fd()
+
+
+def _mark_retired(fd: int) -> None:
+    """Set W_RETIRED in a segment of our layout version (other layouts are left untouched)."""
+    if os.fstat(fd).st_size < HEADER_SIZE:
+        return
+    with mmap.mmap(fd, HEADER_SIZE) as mm:
+        header = _layout.unpack_static(mm[:HEADER_SIZE])
+        if header.magic == MAGIC and header.version == _layout.LAYOUT_VERSION:
+            mm[W_RETIRED * 8 : W_RETIRED * 8 + 8] = RETIRED_MARK.to_bytes(8, "little")
+
+
+def _create(name: str, fingerprint: bytes, geometry: Geometry) -> Segment | None:
+    """Create, initialise and publish a segment; None if another process published first."""
+    tmp = f"{name}.new-{os.getpid()}-{secrets.token_hex(4)}"
+    shm = posix_ipc.SharedMemory(tmp, posix_ipc.O_CREX, mode=MODE, size=geometry.size)
+    mm: mmap.mmap | None = None
+    published = False
+    try:
+        mm = mmap.mmap(int(shm.fd), geometry.size)
+        # Fresh tmpfs pages are zero: head = tail = 0, empty index, no lock holder.
+        static = _layout.pack_static(geometry, fingerprint, int(time.time()))
+        mm[: len(static)] = static
+        try:
+            os.link(shm_path(tmp), shm_path(name))
+        except FileExistsError:
+            return None
+        published = True
+        return Segment(name, geometry, mm, os.fstat(int(shm.fd)).st_ino, False, shm)
+    finally:
+        _unlink_quietly(tmp)
+        if not published:
+            if mm is not None:
+                mm.close()
+            shm.close_fd()
+
+
+def _unlink_quietly(name: str) -> None:
+    try:
+        posix_ipc.unlink_shared_memory(name)
+    except posix_ipc.ExistentialError:
+        pass
+
+
+def _remove_stale_temporaries(name: str) -> None:
+    """Remove temporaries of ``name`` left by creators that crashed before publishing."""
+    stem = name.lstrip("/") + ".new-"
+    try:
+        entries = os.listdir(SHM_DIR)
+    except OSError:
+        return
+    now = time.time()
+    for entry in entries:
+        if not entry.startswith(stem):
+            continue
+        path = os.path.join(SHM_DIR, entry)
+        try:
+            if now - os.stat(path).st_mtime > _STALE_TEMP_SECONDS:
+                os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+def unlink_segment(name: str, inode: int) -> None:
+    """Remove ``name`` if it still refers to ``inode`` (not a segment that replaced ours)."""
+    try:
+        if os.stat(shm_path(name)).st_ino == inode:
+            os.unlink(shm_path(name))
+    except FileNotFoundError:
+        pass

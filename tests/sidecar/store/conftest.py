@@ -1,0 +1,37 @@
+"""Fixtures for the shared-memory store tests."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from sidecar.store import Store
+from tests.sidecar.store.store_helpers import FINGERPRINT, FakeClock
+
+SIZE = 1 << 20
+
+
+@pytest.fixture
+def open_store(shm_prefix: str) -> Iterator[Callable[..., Store]]:
+    """Open stores under the test's unique prefix; all are closed and unlinked after."""
+    opened: list[Store] = []
+
+    def factory(**kwargs: Any) -> Store:
+        kwargs.setdefault("prefix", shm_prefix)
+        kwargs.setdefault("fingerprint", FINGERPRINT)
+        kwargs.setdefault("size", SIZE)
+        store = Store.open(**kwargs)
+        opened.append(store)
+        return store
+
+    yield factory
+    for store in opened:
+        store.unlink()
+        store.close()
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
