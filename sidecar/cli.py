@@ -2,6 +2,7 @@
 
     tokcache-sidecar serve --listen unix:///run/tokcache/tokcache.sock --model qwen3=/models/qwen3
     tokcache-sidecar stats [--shm-prefix tokcache]
+    tokcache-sidecar health [--address unix:///run/tokcache/tokcache.sock]
 
 Flags map 1:1 to :class:`sidecar.config.Config` fields; each also comes from
 the config file (``--config``, TOML) and ``TOKCACHE_*`` variables.
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 from collections.abc import Sequence
 
@@ -39,6 +39,16 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--backends", help=f"encoders allowed, in order, e.g. fastokens,tokenizers (env {ENV['backends']})")
     p.add_argument("--log-level", help=f"debug|info|warning|error (env {ENV['log_level']})")
     p.add_argument("--grace-seconds", help=f"drain time on SIGTERM (env {ENV['grace_seconds']})")
+    p.add_argument("--metrics-port", help=f"Prometheus /metrics port, 0 = off (env {ENV['metrics_port']})")
+    p.add_argument("--metrics-addr", help=f"address the metrics port binds (env {ENV['metrics_addr']})")
+    p.add_argument("--log-format", choices=("json", "text"), help=f"log lines (env {ENV['log_format']})")
+
+
+def _health_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("health", help="exit 0 if the sidecar's gRPC health service says SERVING (a probe)")
+    p.add_argument("--address", help="unix:///path.sock or HOST:PORT (default: $TOKCACHE_ADDRESS, else --listen)")
+    p.add_argument("--service", default="", help="health service name ('' = overall)")
+    p.add_argument("--timeout", type=float, default=3.0, help="seconds")
 
 
 def _stats_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -56,8 +66,9 @@ def _serve(ns: argparse.Namespace) -> int:
     if not config.models:
         print("tokcache-sidecar: no models: give --model NAME=DIR (or TOKCACHE_MODELS)", file=sys.stderr)
         return 2
-    logging.basicConfig(level=config.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from sidecar.telemetry.logs import setup_logging
+
+    setup_logging(config.log_level, config.log_format)
     from sidecar.server import run  # grpc import only when serving
 
     run(config)
@@ -76,14 +87,42 @@ def _stats(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _health(ns: argparse.Namespace) -> int:
+    import os
+
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    address = ns.address or os.environ.get("TOKCACHE_ADDRESS")
+    if not address:
+        try:
+            address = load_config({}).listen
+        except ConfigError as exc:
+            print(f"tokcache-sidecar: {exc}", file=sys.stderr)
+            return 2
+    try:
+        with grpc.insecure_channel(address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            resp = stub.Check(health_pb2.HealthCheckRequest(service=ns.service), timeout=ns.timeout)
+    except grpc.RpcError as exc:
+        print(f"unhealthy: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+    print(status)
+    return 0 if resp.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tokcache-sidecar", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
     _stats_parser(sub)
+    _health_parser(sub)
     ns = parser.parse_args(argv)
     if ns.command == "serve":
         return _serve(ns)
+    if ns.command == "health":
+        return _health(ns)
     return _stats(ns)
 
 

@@ -48,6 +48,9 @@ ENV = {
     "backends": "TOKCACHE_BACKENDS",
     "log_level": "TOKCACHE_LOG_LEVEL",
     "grace_seconds": "TOKCACHE_GRACE_SECONDS",
+    "metrics_port": "TOKCACHE_METRICS_PORT",
+    "metrics_addr": "TOKCACHE_METRICS_ADDR",
+    "log_format": "TOKCACHE_LOG_FORMAT",
 }
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$")
@@ -108,6 +111,9 @@ class Config:
     backends: tuple[str, ...] = BACKENDS
     log_level: str = "info"
     grace_seconds: float = 10.0
+    metrics_port: int = 0
+    metrics_addr: str = "0.0.0.0"
+    log_format: str = "json"
     config_file: Path | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -133,9 +139,13 @@ class Config:
             raise ConfigError(f"backends: {self.backends} must be a non-empty subset of {BACKENDS}")
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
             raise ConfigError(f"log_level: {self.log_level!r}")
+        if self.log_format not in ("json", "text"):
+            raise ConfigError(f"log_format: {self.log_format!r} is not json or text")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"metrics_port: {self.metrics_port} is not a port (0 = off)")
 
 
-_INT_FIELDS = {"max_text_bytes", "max_messages", "max_request_bytes"}
+_INT_FIELDS = {"max_text_bytes", "max_messages", "max_request_bytes", "metrics_port"}
 _FLOAT_FIELDS = {"ttl_l0", "ttl_l1", "ttl_ar", "grace_seconds"}
 
 

@@ -85,9 +85,10 @@ def _wait_for_socket(path: Path, proc: subprocess.Popen[bytes], timeout: float =
 
 
 def main() -> int:
-    from sidecar_client import SidecarClient, SidecarUnavailable
-    from sidecar.engine.render import ChatRenderer
     import tokenizers
+    from sidecar_client import SidecarClient, SidecarUnavailable
+
+    from sidecar.engine.render import ChatRenderer
 
     model_dir = qwen3_dir()
     tmp = Path(tempfile.mkdtemp(prefix="tokcache-demo-"))

@@ -16,13 +16,14 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from tokcache.v1 import tokenizer_pb2 as pb
+from tokcache.v1 import tokenizer_pb2_grpc as pb_grpc
 
 from sidecar.config import Config
 from sidecar.engine.model import Limits, ModelEngine, fingerprint_of
 from sidecar.service import TokenizerService
 from sidecar.store import Kind, Store
-from tokcache.v1 import tokenizer_pb2 as pb
-from tokcache.v1 import tokenizer_pb2_grpc as pb_grpc
+from sidecar.telemetry import Metrics, Tracing
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +45,11 @@ class Sidecar:
 
     def __init__(self, config: Config) -> None:
         self.config = config
-        self.service = TokenizerService(config.default_mode)
-        self.health = health.aio.HealthServicer()
         self.stores: dict[str, Store] = {}
+        self.metrics = Metrics(stores=lambda: {s.name: s for s in self.stores.values()})
+        self.tracing = Tracing.from_env()
+        self.service = TokenizerService(config.default_mode, metrics=self.metrics, tracing=self.tracing)
+        self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.port: int | None = None
 
@@ -67,7 +70,9 @@ class Sidecar:
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         await server.start()
         self.server = server
-        log.info("listening on %s", cfg.listen)
+        if cfg.metrics_port:
+            self.metrics.serve(cfg.metrics_port, cfg.metrics_addr)
+        log.info("listening on %s (tracing %s)", cfg.listen, "on" if self.tracing.enabled else "off")
 
     async def _set_health(self, status: int) -> None:
         for name in ("", SERVICE_NAME):
@@ -104,6 +109,7 @@ class Sidecar:
             await self.server.stop(self.config.grace_seconds if grace is None else grace)
         for store in self.stores.values():
             store.close()
+        self.tracing.shutdown()
         if self.config.listen.startswith("unix://"):
             Path(self.config.listen[len("unix://"):]).unlink(missing_ok=True)
 

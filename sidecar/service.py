@@ -1,4 +1,4 @@
-"""The gRPC servicer: requests in, engine calls, status codes out.
+"""The gRPC servicer: requests in, engine calls, status codes out, each RPC observed.
 
 Handlers run on the asyncio event loop and do their CPU work inline: a
 Tokenize is tens to hundreds of microseconds, less than a hop to a thread
@@ -12,41 +12,93 @@ Status mapping (messages name the field)::
     RequestTooLarge  RESOURCE_EXHAUSTED
     still loading    UNAVAILABLE
     anything else    INTERNAL (logged with traceback; the server keeps serving)
+
+Every RPC is counted and timed (Prometheus) and, when tracing is on, emitted
+as a span with the cache decision as ``tokcache.*`` attributes — never the
+text or the salt itself — and child spans for render/lookup/encode/insert.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 import grpc
 
 from sidecar.engine.errors import EngineError, InvalidRequest, RequestTooLarge, UnknownModel
-from sidecar.engine.model import ModelEngine
+from sidecar.engine.model import Decision, ModelEngine
+from sidecar.telemetry import Metrics, Tracing
 from sidecar.wire import MODE_FROM_PROTO, chat_from_proto, source_to_proto, unpack_ids
 from tokcache.v1 import tokenizer_pb2 as pb
 from tokcache.v1 import tokenizer_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
+Context = grpc.aio.ServicerContext[Any, Any]
+
 __all__ = ["TokenizerService"]
 
 
-class TokenizerService(pb_grpc.TokenizerServicer):
+@dataclass
+class _Call:
+    """What one RPC observed: its status, span attributes and phase stamps."""
+
+    method: str
+    start_ns: int = field(default_factory=time.time_ns)
+    start_pc: int = field(default_factory=time.perf_counter_ns)
+    code: str = "OK"
+    error: str | None = None
+    attrs: dict[str, Any] = field(default_factory=dict)
+    phases: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+
+def _decision_attrs(engine: ModelEngine, d: Decision, salt: str) -> dict[str, Any]:
+    return {
+        "tokcache.model": engine.name,
+        "tokcache.fingerprint": engine.fingerprint,
+        "tokcache.source": d.source,
+        "tokcache.cached_tokens": d.cached_tokens,
+        "tokcache.cached_chars": d.cached_chars,
+        "tokcache.encoded_chars": d.encoded_chars,
+        "tokcache.ar_spliced_tokens": d.ar_spliced_tokens,
+        "tokcache.boundary_count": d.boundaries,
+        "tokcache.salt_present": bool(salt),
+        "tokcache.backend": engine.encoder.name,
+    }
+
+
+class TokenizerService(pb_grpc.TokenizerServicer):  # type: ignore[misc]  # generated, untyped
     """Serves ``tokcache.v1.Tokenizer``. ``engines`` is filled once loading is done."""
 
-    def __init__(self, default_mode: str = "kv-stable") -> None:
+    def __init__(self, default_mode: str = "kv-stable", *, metrics: Metrics | None = None,
+                 tracing: Tracing | None = None) -> None:
         self.engines: dict[str, ModelEngine] = {}
         self.ready = False
         self.default_mode = default_mode
+        self.metrics = metrics or Metrics()
+        self.tracing = tracing or Tracing()
 
     def set_engines(self, engines: Mapping[str, ModelEngine]) -> None:
         """Publish the loaded models (called once, on the event loop)."""
         self.engines = dict(engines)
+        for engine in self.engines.values():
+            self.metrics.model_info.labels(engine.name, engine.fingerprint, engine.encoder.name).set(1)
+            self.metrics.l1_enabled.labels(engine.name).set(0 if engine.boundary_check.disabled_reason else 1)
         self.ready = True
 
-    async def _abort(self, context: grpc.aio.ServicerContext, exc: BaseException) -> NoReturn:
+    # -- plumbing -----------------------------------------------------------
+
+    def _finish(self, call: _Call, context: Context) -> None:
+        seconds = (time.perf_counter_ns() - call.start_pc) / 1e9
+        self.metrics.observe_rpc(call.method, call.code, seconds)
+        if self.tracing.enabled:
+            self.tracing.record(call.method, context.invocation_metadata(), call.start_ns, call.start_pc,
+                                call.attrs, call.phases, call.code, call.error)
+
+    async def _abort(self, call: _Call, context: Context, exc: BaseException) -> NoReturn:
         if isinstance(exc, UnknownModel):
             code = grpc.StatusCode.NOT_FOUND
         elif isinstance(exc, InvalidRequest):
@@ -54,13 +106,16 @@ class TokenizerService(pb_grpc.TokenizerServicer):
         elif isinstance(exc, RequestTooLarge):
             code = grpc.StatusCode.RESOURCE_EXHAUSTED
         else:
-            log.exception("internal error", exc_info=exc)
+            log.exception("internal error in %s", call.method, exc_info=exc)
             code = grpc.StatusCode.INTERNAL
-        await context.abort(code, str(exc) if isinstance(exc, EngineError) else f"internal error: {exc!r}")
+        message = str(exc) if isinstance(exc, EngineError) else f"internal error: {exc!r}"
+        call.code, call.error = code.name, message
+        await context.abort(code, message)
         raise AssertionError("unreachable")  # abort raises
 
-    async def _engine(self, model: str, context: grpc.aio.ServicerContext) -> ModelEngine:
+    async def _engine(self, call: _Call, model: str, context: Context) -> ModelEngine:
         if not self.ready:
+            call.code = "UNAVAILABLE"
             await context.abort(grpc.StatusCode.UNAVAILABLE, "sidecar is loading tokenizers")
         if not model:
             raise InvalidRequest("model", "is required")
@@ -69,111 +124,147 @@ class TokenizerService(pb_grpc.TokenizerServicer):
             raise UnknownModel(model)
         return engine
 
-    def _render(self, engine: ModelEngine, chat: pb.ChatInput) -> str:
+    def _render(self, call: _Call, engine: ModelEngine, chat: pb.ChatInput) -> str:
+        t0 = time.perf_counter_ns()
         messages, options = chat_from_proto(chat)
-        return engine.render(messages, **options)
+        text = engine.render(messages, **options)
+        call.phases["render"] = (t0, time.perf_counter_ns())
+        return text
 
-    async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
+    # -- RPCs ---------------------------------------------------------------
+
+    async def Tokenize(self, request: pb.TokenizeRequest, context: Context) -> pb.TokenizeResponse:
+        call = _Call("Tokenize")
         try:
-            engine = await self._engine(request.model, context)
+            engine = await self._engine(call, request.model, context)
             which = request.WhichOneof("input")
             if which == "text":
                 text = request.text
                 add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
             elif which == "chat":
-                text = self._render(engine, request.chat)
+                text = self._render(call, engine, request.chat)
                 add_special = request.add_special_tokens if request.HasField("add_special_tokens") else False
             else:
                 raise InvalidRequest("input", "one of text or chat is required")
-            mode = MODE_FROM_PROTO.get(request.mode, self.default_mode)
             if request.mode not in (0, *MODE_FROM_PROTO):
                 raise InvalidRequest("mode", f"unknown mode {request.mode}")
+            mode = MODE_FROM_PROTO.get(request.mode, self.default_mode)
             out = engine.tokenize(text, add_special_tokens=add_special, salt=request.cache_salt, mode=mode)
+            d = out.decision
+            self.metrics.observe_decision(engine.name, d)
+            call.attrs = _decision_attrs(engine, d, request.cache_salt)
+            call.attrs["tokcache.num_tokens"] = out.num_tokens
+            call.attrs["tokcache.mode"] = mode
+            call.phases.update(d.timings)
+            return pb.TokenizeResponse(
+                token_ids=out.ids,
+                num_tokens=out.num_tokens,
+                fingerprint=engine.fingerprint,
+                backend=engine.encoder.name,
+                prompt_text=text if (request.return_prompt_text and which == "chat") else "",
+                decision=pb.CacheDecision(
+                    source=source_to_proto(d.source),
+                    cached_tokens=d.cached_tokens,
+                    cached_chars=d.cached_chars,
+                    encoded_chars=d.encoded_chars,
+                    ar_spliced_tokens=d.ar_spliced_tokens,
+                    boundaries=d.boundaries,
+                    l1_disabled_reason=d.l1_disabled_reason,
+                ),
+            )
         except grpc.aio.AbortError:
             raise
         except Exception as exc:
-            await self._abort(context, exc)
-        d = out.decision
-        return pb.TokenizeResponse(
-            token_ids=out.ids,
-            num_tokens=out.num_tokens,
-            fingerprint=engine.fingerprint,
-            backend=engine.encoder.name,
-            prompt_text=text if (request.return_prompt_text and which == "chat") else "",
-            decision=pb.CacheDecision(
-                source=source_to_proto(d.source),
-                cached_tokens=d.cached_tokens,
-                cached_chars=d.cached_chars,
-                encoded_chars=d.encoded_chars,
-                ar_spliced_tokens=d.ar_spliced_tokens,
-                boundaries=d.boundaries,
-                l1_disabled_reason=d.l1_disabled_reason,
-            ),
-        )
+            await self._abort(call, context, exc)
+        finally:
+            self._finish(call, context)
 
-    async def Render(self, request: pb.RenderRequest, context: grpc.aio.ServicerContext) -> pb.RenderResponse:
+    async def Render(self, request: pb.RenderRequest, context: Context) -> pb.RenderResponse:
+        call = _Call("Render")
         try:
-            engine = await self._engine(request.model, context)
-            text = self._render(engine, request.chat)
+            engine = await self._engine(call, request.model, context)
+            text = self._render(call, engine, request.chat)
+            call.attrs = {"tokcache.model": engine.name, "tokcache.fingerprint": engine.fingerprint}
+            return pb.RenderResponse(prompt_text=text, fingerprint=engine.fingerprint)
         except grpc.aio.AbortError:
             raise
         except Exception as exc:
-            await self._abort(context, exc)
-        return pb.RenderResponse(prompt_text=text, fingerprint=engine.fingerprint)
+            await self._abort(call, context, exc)
+        finally:
+            self._finish(call, context)
 
     def _record(self, engine: ModelEngine, r: pb.RecordOutputRequest) -> pb.RecordOutputResponse:
         for name in ("prompt_token_ids", "output_token_ids"):
             if len(getattr(r, name)) % 4:
                 raise InvalidRequest(name, "length is not a multiple of 4 (little-endian uint32 ids)")
         which = r.WhichOneof("stop_reason_kind")
-        out = engine.record_output(
-            prompt_text=r.prompt_text, prompt_ids=unpack_ids(r.prompt_token_ids),
-            output_text=r.output_text, output_ids=unpack_ids(r.output_token_ids),
-            finish_reason=r.finish_reason,
-            stop_token_id=r.stop_token_id if which == "stop_token_id" else None,
-            stop_string=r.stop_string if which == "stop_string" else None,
-            salt=r.cache_salt, prompt_add_special_tokens=r.prompt_add_special_tokens)
+        try:
+            out = engine.record_output(
+                prompt_text=r.prompt_text, prompt_ids=unpack_ids(r.prompt_token_ids),
+                output_text=r.output_text, output_ids=unpack_ids(r.output_token_ids),
+                finish_reason=r.finish_reason,
+                stop_token_id=r.stop_token_id if which == "stop_token_id" else None,
+                stop_string=r.stop_string if which == "stop_string" else None,
+                salt=r.cache_salt, prompt_add_special_tokens=r.prompt_add_special_tokens)
+        except EngineError:
+            self.metrics.records.labels(engine.name, "refused").inc()
+            raise
+        self.metrics.records.labels(engine.name, "recorded").inc()
         return pb.RecordOutputResponse(recorded_tokens=out.recorded_tokens,
                                        stop_token_dropped=out.stop_token_dropped, entries=out.entries)
 
-    async def RecordOutput(self, request: pb.RecordOutputRequest,
-                           context: grpc.aio.ServicerContext) -> pb.RecordOutputResponse:
+    async def RecordOutput(self, request: pb.RecordOutputRequest, context: Context) -> pb.RecordOutputResponse:
+        call = _Call("RecordOutput")
         try:
-            engine = await self._engine(request.model, context)
-            return self._record(engine, request)
+            engine = await self._engine(call, request.model, context)
+            call.attrs = {"tokcache.model": engine.name, "tokcache.fingerprint": engine.fingerprint,
+                          "tokcache.salt_present": bool(request.cache_salt)}
+            resp = self._record(engine, request)
+            call.attrs["tokcache.recorded_tokens"] = resp.recorded_tokens
+            return resp
         except grpc.aio.AbortError:
             raise
         except Exception as exc:
-            await self._abort(context, exc)
+            await self._abort(call, context, exc)
+        finally:
+            self._finish(call, context)
 
-    async def RecordOutputs(self, request_iterator: Any,
-                            context: grpc.aio.ServicerContext) -> pb.RecordOutputsResponse:
+    async def RecordOutputs(self, request_iterator: Any, context: Context) -> pb.RecordOutputsResponse:
+        call = _Call("RecordOutputs")
         summary = pb.RecordOutputsResponse()
         index = 0
-        async for request in request_iterator:
-            try:
-                engine = await self._engine(request.model, context)
-                self._record(engine, request)
-                summary.recorded += 1
-            except grpc.aio.AbortError:
-                raise
-            except EngineError as exc:
-                summary.refused += 1
-                summary.refusals.add(index=index, reason=str(exc))
-            except Exception as exc:  # a bug must not end the stream for the others
-                log.exception("RecordOutputs item %d failed", index)
-                summary.refused += 1
-                summary.refusals.add(index=index, reason=f"internal error: {exc!r}")
-            index += 1
-        return summary
+        try:
+            async for request in request_iterator:
+                try:
+                    engine = await self._engine(call, request.model, context)
+                    self._record(engine, request)
+                    summary.recorded += 1
+                except grpc.aio.AbortError:
+                    raise
+                except EngineError as exc:
+                    summary.refused += 1
+                    summary.refusals.add(index=index, reason=str(exc))
+                except Exception as exc:  # a bug must not end the stream for the others
+                    log.exception("RecordOutputs item %d failed", index)
+                    summary.refused += 1
+                    summary.refusals.add(index=index, reason=f"internal error: {exc!r}")
+                index += 1
+            call.attrs = {"tokcache.recorded": summary.recorded, "tokcache.refused": summary.refused}
+            return summary
+        finally:
+            self._finish(call, context)
 
-    async def ListModels(self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext) -> pb.ListModelsResponse:
-        models: list[Any] = []
-        for engine in self.engines.values():
-            info = engine.info()
-            models.append(pb.ModelInfo(
-                name=info["name"], fingerprint=info["fingerprint"], backend=info["backend"],
-                vocab_size=info["vocab_size"], boundary_tokens=info["boundary_tokens"],
-                l1_disabled_reason=info["l1_disabled_reason"], has_chat_template=info["has_chat_template"],
-            ))
-        return pb.ListModelsResponse(models=models)
+    async def ListModels(self, request: pb.ListModelsRequest, context: Context) -> pb.ListModelsResponse:
+        call = _Call("ListModels")
+        try:
+            models: list[Any] = []
+            for engine in self.engines.values():
+                info = engine.info()
+                models.append(pb.ModelInfo(
+                    name=info["name"], fingerprint=info["fingerprint"], backend=info["backend"],
+                    vocab_size=info["vocab_size"], boundary_tokens=info["boundary_tokens"],
+                    l1_disabled_reason=info["l1_disabled_reason"], has_chat_template=info["has_chat_template"],
+                ))
+            return pb.ListModelsResponse(models=models)
+        finally:
+            self._finish(call, context)

@@ -13,17 +13,18 @@ import sys
 from array import array
 from typing import Any
 
-from sidecar.engine.errors import InvalidRequest
 from tokcache.v1 import tokenizer_pb2 as pb
+
+from sidecar.engine.errors import InvalidRequest
 
 __all__ = ["MODE_FROM_PROTO", "chat_from_proto", "source_to_proto", "unpack_ids"]
 
-MODE_FROM_PROTO = {
+MODE_FROM_PROTO: dict[int, str] = {
     pb.TOKENIZE_MODE_KV_STABLE: "kv-stable",
     pb.TOKENIZE_MODE_EXACT: "exact",
 }
 
-_SOURCE_TO_PROTO = {
+_SOURCE_TO_PROTO: dict[str, pb.CacheSource.ValueType] = {
     "miss": pb.CACHE_SOURCE_MISS,
     "l0": pb.CACHE_SOURCE_L0,
     "l1": pb.CACHE_SOURCE_L1,
@@ -31,7 +32,7 @@ _SOURCE_TO_PROTO = {
 }
 
 
-def source_to_proto(source: str) -> int:
+def source_to_proto(source: str) -> pb.CacheSource.ValueType:
     return _SOURCE_TO_PROTO[source]
 
 

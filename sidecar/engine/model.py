@@ -90,6 +90,17 @@ class Decision:
     ar_spliced_tokens: int = 0
     boundaries: int = 0
     l1_disabled_reason: str = ""
+    # Per-layer lookup results (None: layer not consulted), for metrics.
+    l0_hit: bool | None = None
+    l1_hit: bool | None = None
+    ar_prefix_hit: bool | None = None
+    segment_splices: int = 0
+    cached_bytes: int = 0
+    encoded_bytes: int = 0
+    stored: bool | None = None
+    store_errors: int = 0
+    # Phase -> (perf_counter_ns start, end), for trace child spans.
+    timings: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -188,7 +199,12 @@ class ModelEngine:
         return self._lookup_encode(data, salt, mode, decision)[0]
 
     def _lookup_encode(self, data: bytes, salt: str, mode: bytes, decision: Decision) -> tuple[bytes, bytes]:
-        """(raw ids, L0 key) of ``data``: L0, else longest L1/AR prefix + encoded tail."""
+        """(raw ids, L0 key) of ``data``: L0, else longest L1/AR prefix + encoded tail.
+
+        Phase times (perf_counter_ns start, end) go to ``decision.timings``
+        for the tracer's child spans: lookup, encode, insert.
+        """
+        t0 = time.perf_counter_ns()
         spans = self.scanner.spans(data)
         cuts = [end for _, end in spans]
         decision.boundaries = len(cuts)
@@ -207,11 +223,15 @@ class ModelEngine:
                 hit = store.get(exact_key)
             except StoreError:
                 log.exception("store read failed; encoding without cache")
+                decision.store_errors += 1
                 store, hit = None, None
+            decision.l0_hit = hit is not None
             if hit is not None:
                 decision.source = "l0"
                 decision.cached_tokens = len(hit) // 4
                 decision.cached_chars = len(data.decode("utf-8"))
+                decision.cached_bytes = len(data)
+                decision.timings["lookup"] = (t0, time.perf_counter_ns())
                 return hit, exact_key
         # Longest cached cut (L1).
         j, prefix = (-1, b"") if store is None else self._longest(store, keys)
@@ -220,14 +240,19 @@ class ModelEngine:
         first_new = j + 1  # index of the first cut not covered by the cached prefix
         if j >= 0:
             decision.source = "l1"
+        decision.l1_hit = j >= 0
         kv_stable = mode == MODE_KV_STABLE
         if store is not None and kv_stable:
             ar = self._prefix_ar(store, data, salt, mode, spans, j, start)
+            decision.ar_prefix_hit = False
             if ar is not None:
                 i, ar_start, ar_key, ar_ids = ar
+                decision.ar_prefix_hit = True
+                # Tokens gained over the L1 prefix: the recorded output (and the
+                # few prompt tokens between the L1 cut and the output).
+                decision.ar_spliced_tokens = (len(ar_ids) - len(prefix)) // 4
                 prefix, start, parent, first_new = ar_ids, ar_start, ar_key, i
                 decision.source = "ar"
-                decision.ar_spliced_tokens = len(ar_ids) // 4
         # Pieces: (text up to the next boundary token, that token), the last with none.
         pieces: list[tuple[bytes, bytes]] = []
         a = start
@@ -235,8 +260,13 @@ class ModelEngine:
             pieces.append((data[a:s_i], data[s_i:e_i]))
             a = e_i
         pieces.append((data[a:], b""))
+        t1 = time.perf_counter_ns()
+        decision.timings["lookup"] = (t0, t1)
         flat, ends, spliced = self._encode_pieces(
             pieces, salt, mode, store if kv_stable else None)
+        t2 = time.perf_counter_ns()
+        decision.timings["encode"] = (t1, t2)
+        decision.segment_splices = spliced
         if spliced:
             decision.ar_spliced_tokens += spliced
             if decision.source in ("miss", "l1"):
@@ -246,13 +276,17 @@ class ModelEngine:
             decision.cached_tokens = len(prefix) // 4
             decision.cached_chars = len(data.decode("utf-8")) - tail_chars
         decision.encoded_chars = tail_chars
+        decision.cached_bytes = start
+        decision.encoded_bytes = len(data) - start
         if store is not None:
             entries = [(keys[i], ends[n]) for n, i in enumerate(range(first_new, len(cuts)))]
             entries.append((exact_key, ends[-1]))
             try:
-                store.put(parent, len(prefix) // 4, flat, entries, Kind.L1)
+                decision.stored = store.put(parent, len(prefix) // 4, flat, entries, Kind.L1)
             except StoreError:
                 log.exception("store write failed; result served uncached")
+                decision.store_errors += 1
+            decision.timings["insert"] = (t2, time.perf_counter_ns())
         return prefix + flat, exact_key
 
     def _prefix_ar(self, store: Store, data: bytes, salt: str, mode: bytes, spans: list[tuple[int, int]],
