@@ -11,6 +11,7 @@ import asyncio
 import logging
 import os
 import signal
+import time
 from pathlib import Path
 
 import grpc
@@ -28,6 +29,9 @@ from sidecar.telemetry import Metrics, Tracing
 log = logging.getLogger(__name__)
 
 __all__ = ["Sidecar", "run"]
+
+# Drain ends once no RPC has arrived for this long (and none is in flight).
+_DRAIN_QUIET_S = 0.3
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Tokenizer"].full_name
 
@@ -103,10 +107,27 @@ class Sidecar:
         log.info("serving %d model(s): %s", len(engines), ", ".join(engines))
 
     async def stop(self, grace: float | None = None) -> None:
-        """Drain: NOT_SERVING, then stop accepting and wait up to ``grace`` for in-flight RPCs."""
+        """Drain within ``grace`` seconds, then stop.
+
+        NOT_SERVING first; then new RPCs are answered UNAVAILABLE (retryable)
+        while in-flight ones finish, until nothing is in flight and no RPC has
+        arrived for a quiet period — so clients learn to back off instead of
+        having calls queued inside gRPC cancelled by ``server.stop``. Then
+        ``server.stop`` with what is left of the grace period.
+        """
+        grace = self.config.grace_seconds if grace is None else grace
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.service.draining = True
+        while loop.time() < deadline:
+            quiet = time.monotonic() - self.service.last_rpc > _DRAIN_QUIET_S
+            if self.service.inflight == 0 and quiet:
+                break
+            await asyncio.sleep(0.02)
+        log.info("drained (%d in flight at stop)", self.service.inflight)
         if self.server is not None:
-            await self.server.stop(self.config.grace_seconds if grace is None else grace)
+            await self.server.stop(max(0.0, deadline - loop.time()))
         for store in self.stores.values():
             store.close()
         self.tracing.shutdown()

@@ -80,18 +80,29 @@ class TokenizerService(pb_grpc.TokenizerServicer):  # type: ignore[misc]  # gene
         self.default_mode = default_mode
         self.metrics = metrics or Metrics()
         self.tracing = tracing or Tracing()
+        # Drain state, touched only on the event loop: once draining, new RPCs
+        # get UNAVAILABLE (retryable) while the ones in flight finish.
+        self.draining = False
+        self.inflight = 0
+        self.last_rpc = time.monotonic()
 
     def set_engines(self, engines: Mapping[str, ModelEngine]) -> None:
         """Publish the loaded models (called once, on the event loop)."""
         self.engines = dict(engines)
         for engine in self.engines.values():
-            self.metrics.model_info.labels(engine.name, engine.fingerprint, engine.encoder.name).set(1)
-            self.metrics.l1_enabled.labels(engine.name).set(0 if engine.boundary_check.disabled_reason else 1)
+            self.metrics.add_model(engine.name, engine.fingerprint, engine.encoder.name,
+                                   not engine.boundary_check.disabled_reason)
         self.ready = True
 
     # -- plumbing -----------------------------------------------------------
 
+    def _begin(self, method: str) -> _Call:
+        self.inflight += 1
+        self.last_rpc = time.monotonic()
+        return _Call(method)
+
     def _finish(self, call: _Call, context: Context) -> None:
+        self.inflight -= 1
         seconds = (time.perf_counter_ns() - call.start_pc) / 1e9
         self.metrics.observe_rpc(call.method, call.code, seconds)
         if self.tracing.enabled:
@@ -114,9 +125,10 @@ class TokenizerService(pb_grpc.TokenizerServicer):  # type: ignore[misc]  # gene
         raise AssertionError("unreachable")  # abort raises
 
     async def _engine(self, call: _Call, model: str, context: Context) -> ModelEngine:
-        if not self.ready:
+        if not self.ready or self.draining:
             call.code = "UNAVAILABLE"
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "sidecar is loading tokenizers")
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                "sidecar is shutting down" if self.draining else "sidecar is loading tokenizers")
         if not model:
             raise InvalidRequest("model", "is required")
         engine = self.engines.get(model)
@@ -134,7 +146,7 @@ class TokenizerService(pb_grpc.TokenizerServicer):  # type: ignore[misc]  # gene
     # -- RPCs ---------------------------------------------------------------
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: Context) -> pb.TokenizeResponse:
-        call = _Call("Tokenize")
+        call = self._begin("Tokenize")
         try:
             engine = await self._engine(call, request.model, context)
             which = request.WhichOneof("input")
@@ -180,7 +192,7 @@ class TokenizerService(pb_grpc.TokenizerServicer):  # type: ignore[misc]  # gene
             self._finish(call, context)
 
     async def Render(self, request: pb.RenderRequest, context: Context) -> pb.RenderResponse:
-        call = _Call("Render")
+        call = self._begin("Render")
         try:
             engine = await self._engine(call, request.model, context)
             text = self._render(call, engine, request.chat)
@@ -214,7 +226,7 @@ class TokenizerService(pb_grpc.TokenizerServicer):  # type: ignore[misc]  # gene
                                        stop_token_dropped=out.stop_token_dropped, entries=out.entries)
 
     async def RecordOutput(self, request: pb.RecordOutputRequest, context: Context) -> pb.RecordOutputResponse:
-        call = _Call("RecordOutput")
+        call = self._begin("RecordOutput")
         try:
             engine = await self._engine(call, request.model, context)
             call.attrs = {"tokcache.model": engine.name, "tokcache.fingerprint": engine.fingerprint,
@@ -230,7 +242,7 @@ class TokenizerService(pb_grpc.TokenizerServicer):  # type: ignore[misc]  # gene
             self._finish(call, context)
 
     async def RecordOutputs(self, request_iterator: Any, context: Context) -> pb.RecordOutputsResponse:
-        call = _Call("RecordOutputs")
+        call = self._begin("RecordOutputs")
         summary = pb.RecordOutputsResponse()
         index = 0
         try:
@@ -255,7 +267,7 @@ class TokenizerService(pb_grpc.TokenizerServicer):  # type: ignore[misc]  # gene
             self._finish(call, context)
 
     async def ListModels(self, request: pb.ListModelsRequest, context: Context) -> pb.ListModelsResponse:
-        call = _Call("ListModels")
+        call = self._begin("ListModels")
         try:
             models: list[Any] = []
             for engine in self.engines.values():

@@ -95,6 +95,21 @@ class Metrics:
         if stores is not None:
             r.register(_StoreCollector(stores))
 
+    def add_model(self, model: str, fingerprint: str, backend: str, l1_enabled: bool) -> None:
+        """Publish a served model and create its series at zero, so they exist before traffic."""
+        self.model_info.labels(model, fingerprint, backend).set(1)
+        self.l1_enabled.labels(model).set(1 if l1_enabled else 0)
+        for counter in (self.reused_tokens, self.reused_bytes, self.encoded_bytes, self.ar_spliced,
+                        self.store_fallbacks):
+            counter.labels(model)
+        for result in ("recorded", "refused"):
+            self.records.labels(model, result)
+        for source in ("miss", "l0", "l1", "ar"):
+            self.decisions.labels(model, source)
+        for layer in ("l0", "l1", "ar_prefix", "ar_segment"):
+            for result in ("hit", "miss"):
+                self.lookups.labels(layer, result)
+
     def observe_rpc(self, method: str, code: str, seconds: float) -> None:
         self.rpc_requests.labels(method, code).inc()
         self.rpc_duration.labels(method, code).observe(seconds)
