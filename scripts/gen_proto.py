@@ -20,9 +20,8 @@ DEFAULT_OUT = ROOT / "client"
 
 def generate(out: Path) -> list[Path]:
     """Run protoc (from grpcio-tools) over every .proto; return the files written."""
-    from grpc_tools import protoc  # dev dependency, imported lazily
-
     import grpc_tools
+    from grpc_tools import protoc  # dev dependency, imported lazily
 
     protos = sorted(str(p.relative_to(PROTO_ROOT)) for p in PROTO_ROOT.rglob("*.proto"))
     include = Path(grpc_tools.__file__).parent / "_proto"

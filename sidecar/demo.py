@@ -63,11 +63,13 @@ def conversation(turns: int = 8) -> list[list[dict[str, Any]]]:
                 "function": {"name": "read_file" if t % 4 == 1 else "run_shell",
                              "arguments": json.dumps({"path": "parser.py"} if t % 4 == 1
                                                      else {"cmd": f"pytest -q -k parse_{t}"})}}]})
-            result = _FILE if t % 4 == 1 else f"F.{'.' * t}\n    ValueError: invalid literal for int() with base 10: ''\n\n{t} passed, 1 failed  "
+            failure = "    ValueError: invalid literal for int() with base 10: ''"
+            result = _FILE if t % 4 == 1 else f"F.{'.' * t}\n{failure}\n\n{t} passed, 1 failed  "
             msgs.append({"role": "tool", "tool_call_id": f"call_{t}", "content": result})
         else:
             msgs.append({"role": "assistant",
-                         "content": f"Step {t}: empty values reach `int()`.\n\n```python\n    if not value:\n        continue\n```\n"})
+                         "content": f"Step {t}: empty values reach `int()`.\n\n"
+                                    "```python\n    if not value:\n        continue\n```\n"})
             msgs.append({"role": "user", "content": f"Good. Now run the tests again (round {t})."})
         out.append(list(msgs))
     return out
@@ -86,9 +88,9 @@ def _wait_for_socket(path: Path, proc: subprocess.Popen[bytes], timeout: float =
 
 def main() -> int:
     import tokenizers
-    from sidecar_client import SidecarClient, SidecarUnavailable
 
     from sidecar.engine.render import ChatRenderer
+    from sidecar_client import SidecarClient, SidecarUnavailable
 
     model_dir = qwen3_dir()
     tmp = Path(tempfile.mkdtemp(prefix="tokcache-demo-"))

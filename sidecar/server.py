@@ -17,14 +17,14 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from tokcache.v1 import tokenizer_pb2 as pb
-from tokcache.v1 import tokenizer_pb2_grpc as pb_grpc
 
 from sidecar.config import Config
 from sidecar.engine.model import Limits, ModelEngine, fingerprint_of
 from sidecar.service import TokenizerService
 from sidecar.store import Kind, Store
 from sidecar.telemetry import Metrics, Tracing
+from tokcache.v1 import tokenizer_pb2 as pb
+from tokcache.v1 import tokenizer_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 

@@ -13,9 +13,8 @@ import sys
 from array import array
 from typing import Any
 
-from tokcache.v1 import tokenizer_pb2 as pb
-
 from sidecar.engine.errors import InvalidRequest
+from tokcache.v1 import tokenizer_pb2 as pb
 
 __all__ = ["MODE_FROM_PROTO", "chat_from_proto", "source_to_proto", "unpack_ids"]
 

@@ -156,9 +156,11 @@ def test_server_side_validation_of_raw_requests(sidecar: SidecarProcess) -> None
             (pb.TokenizeRequest(model="qwen3"), grpc.StatusCode.INVALID_ARGUMENT, "input"),
             (pb.TokenizeRequest(text="x"), grpc.StatusCode.INVALID_ARGUMENT, "model"),
             (pb.TokenizeRequest(model="qwen3", chat=pb.ChatInput()), grpc.StatusCode.INVALID_ARGUMENT, "chat.messages"),
-            (pb.TokenizeRequest(model="qwen3", chat=pb.ChatInput(messages=[pb.ChatMessage(role="user")], tools_json="{")),
+            (pb.TokenizeRequest(model="qwen3", chat=pb.ChatInput(messages=[pb.ChatMessage(role="user")],
+                                                                 tools_json="{")),
              grpc.StatusCode.INVALID_ARGUMENT, "chat.tools_json"),
-            (pb.TokenizeRequest(model="qwen3", chat=pb.ChatInput(messages=[pb.ChatMessage(role="user", extra_json="[1]")])),
+            (pb.TokenizeRequest(model="qwen3", chat=pb.ChatInput(messages=[pb.ChatMessage(role="user",
+                                                                                          extra_json="[1]")])),
              grpc.StatusCode.INVALID_ARGUMENT, "chat.messages[0].extra_json"),
             (pb.TokenizeRequest(model="qwen3", text="x", mode=7), grpc.StatusCode.INVALID_ARGUMENT, "mode"),
         ]

@@ -17,7 +17,7 @@ from sidecar.engine.model import ModelEngine
 from sidecar.service import TokenizerService
 from sidecar.store import Store
 from sidecar.telemetry import Metrics, Tracing, exporter_from_env
-from sidecar_client import AsyncSidecarClient
+from sidecar_client import AsyncSidecarClient, UnknownModelError
 from tests.ar_helpers import noncanonical
 from tokcache.v1 import tokenizer_pb2_grpc as pb_grpc
 
@@ -102,7 +102,7 @@ def test_spans_carry_decisions_and_parent(engine: ModelEngine, tmp_path: Path) -
 
 def test_error_spans_have_status(engine: ModelEngine, tmp_path: Path) -> None:
     async def body(c: AsyncSidecarClient) -> None:
-        with pytest.raises(Exception):
+        with pytest.raises(UnknownModelError):
             await c.tokenize("nope", text="x")
 
     spans = _run(engine, tmp_path, body).get_finished_spans()

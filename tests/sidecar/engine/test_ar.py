@@ -14,7 +14,8 @@ from sidecar.engine.model import ModelEngine
 from sidecar.store import Store
 from tests.ar_helpers import noncanonical
 
-ANSWER = "Sure.\n\nHere is the fix:\n\n```python\n    if not value:\n        continue\n```\n\n  Done: 12345 items, 你好 🎉."
+ANSWER = ("Sure.\n\nHere is the fix:\n\n```python\n    if not value:\n        continue\n```\n\n"
+          "  Done: 12345 items, 你好 🎉.")
 
 
 def _ids(b: bytes) -> list[int]:
