@@ -20,6 +20,8 @@ from __future__ import annotations
 import json
 import logging
 import re
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,6 +100,11 @@ def check_boundaries(tokenizer_json: Path, reference: Encoder) -> BoundaryCheck:
 
 _Trie = dict[int | None, "_Trie"]
 
+# Scan memo: texts remembered per process, grouped by a hash of their first bytes.
+_MEMO_TEXTS = 256
+_MEMO_HEAD = 256
+_MEMO_PER_HEAD = 4
+
 
 def _trie_pattern(words: set[bytes]) -> re.Pattern[bytes]:
     """A regex matching any of ``words``, leftmost-longest, factored as a trie.
@@ -133,10 +140,18 @@ class BoundaryScanner:
     is part of a longer added token is not mistaken for a cut point.
     """
 
-    def __init__(self, all_added: Sequence[str], boundary_tokens: Sequence[str]) -> None:
+    def __init__(self, all_added: Sequence[str], boundary_tokens: Sequence[str], *,
+                 memo_texts: int = _MEMO_TEXTS) -> None:
         self._boundaries = frozenset(t.encode("utf-8") for t in boundary_tokens)
         words = {t.encode("utf-8") for t in all_added if t}
         self._pattern: re.Pattern[bytes] | None = _trie_pattern(words) if self._boundaries else None
+        self._maxlen = max((len(w) for w in words), default=1)
+        # Recent texts and their matches, by a hash of their first bytes: a
+        # growing conversation rescans only what it appended. Guarded by _lock
+        # (the memo is shared by the threads of a process).
+        self._memo: OrderedDict[int, list[tuple[bytes, list[tuple[int, int, bool]]]]] = OrderedDict()
+        self._memo_texts = memo_texts
+        self._lock = threading.Lock()
 
     @classmethod
     def from_tokenizer(cls, tokenizer_json: Path, check: BoundaryCheck) -> BoundaryScanner:
@@ -149,14 +164,41 @@ class BoundaryScanner:
 
     def cuts(self, data: bytes) -> list[int]:
         """Offsets in ``data`` right after each boundary token, ascending."""
-        if self._pattern is None:
-            return []
+        return [end for _, end in self.spans(data)]
+
+    def _scan(self, data: bytes, pos: int) -> list[tuple[int, int, bool]]:
+        assert self._pattern is not None
         boundaries = self._boundaries
-        return [m.end() for m in self._pattern.finditer(data) if m.group() in boundaries]
+        return [(m.start(), m.end(), m.group() in boundaries) for m in self._pattern.finditer(data, pos)]
 
     def spans(self, data: bytes) -> list[tuple[int, int]]:
-        """(start, end) offsets of each boundary token in ``data``, ascending."""
+        """(start, end) offsets of each boundary token in ``data``, ascending.
+
+        Equal to a full scan. When a recent text is a prefix of ``data``, its
+        matches are reused up to ``maxlen - 1`` bytes before its end (no added
+        token starting earlier can reach past it) and only the rest is scanned.
+        """
         if self._pattern is None:
             return []
-        boundaries = self._boundaries
-        return [m.span() for m in self._pattern.finditer(data) if m.group() in boundaries]
+        head = hash(data[:_MEMO_HEAD])
+        base: tuple[bytes, list[tuple[int, int, bool]]] | None = None
+        with self._lock:
+            for cand in self._memo.get(head, ()):
+                if len(cand[0]) <= len(data) and (base is None or len(cand[0]) > len(base[0])) \
+                        and data.startswith(cand[0]):
+                    base = cand
+        if base is None:
+            matches = self._scan(data, 0)
+        else:
+            limit = len(base[0]) - self._maxlen + 1
+            kept = [m for m in base[1] if m[0] < limit]
+            matches = kept + self._scan(data, max(limit, kept[-1][1] if kept else 0, 0))
+        with self._lock:
+            entries = self._memo.setdefault(head, [])
+            self._memo.move_to_end(head)
+            if not any(len(d) == len(data) and d == data for d, _ in entries):
+                entries.append((data, matches))
+                del entries[:-_MEMO_PER_HEAD]
+            while len(self._memo) > self._memo_texts:
+                self._memo.popitem(last=False)
+        return [(a, b) for a, b, is_boundary in matches if is_boundary]

@@ -33,7 +33,8 @@ from sidecar.engine.ar import segment_variants, verify_output
 from sidecar.engine.boundaries import BoundaryCheck, BoundaryScanner, check_boundaries
 from sidecar.engine.encoder import EncoderChoice, _le, choose_encoder
 from sidecar.engine.errors import InvalidRequest, RequestTooLarge
-from sidecar.engine.keys import MODE_EXACT, MODE_KV_STABLE, KeyStream, segment_key
+from sidecar.engine.keys import MODE_EXACT, MODE_KV_STABLE, KeyStream, TextKeys, segment_key
+from sidecar.engine.memo import ChainMemo
 from sidecar.engine.render import ChatRenderer
 from sidecar.engine.tokenbytes import TokenBytes
 from sidecar.store import Kind, Store, StoreError
@@ -42,9 +43,9 @@ log = logging.getLogger(__name__)
 
 __all__ = ["Decision", "Limits", "ModelEngine", "Outcome", "RecordResult", "fingerprint_of"]
 
-# Probing the last cuts first finds a growing conversation's hit at once;
-# the rest is binary-searched.
-_TAIL_PROBES = 4
+# Keys of the last cuts are computed in one pass (a turn adds ~4-12 cuts);
+# also how many shorter cuts are tried when a winner's chain is broken.
+_TAIL_PROBES = 16
 # Segment AR: pieces shorter than this are not looked up; a recorded output
 # may start after at most this many leading newlines of a piece (role headers).
 _MIN_SEGMENT_BYTES = 4
@@ -149,6 +150,7 @@ class ModelEngine:
         self.special_ids = frozenset(
             i for i, t in self.reference.tokenizer.get_added_tokens_decoder().items() if t.special)
         self.store = store
+        self.memo = ChainMemo()
         self.limits = limits or Limits()
         log.info(
             "model %s: fingerprint %s, backend %s (passed %s, failed %s), %d boundary tokens%s, affixes %s",
@@ -190,15 +192,14 @@ class ModelEngine:
             ids = _le(array("I", self.encoder.encode_full(text)))
             decision.encoded_chars = len(text)
             return Outcome(ids, decision)
-        raw = self._raw_ids(data, salt, MODE_EXACT if mode == "exact" else MODE_KV_STABLE, decision)
+        raw = self._lookup_encode(data, salt, MODE_EXACT if mode == "exact" else MODE_KV_STABLE, decision,
+                                  len(text))[0]
         if add_special_tokens and (self.affixes.prefix or self.affixes.suffix):
             raw = _le(array("I", self.affixes.prefix)) + raw + _le(array("I", self.affixes.suffix))
         return Outcome(raw, decision)
 
-    def _raw_ids(self, data: bytes, salt: str, mode: bytes, decision: Decision) -> bytes:
-        return self._lookup_encode(data, salt, mode, decision)[0]
-
-    def _lookup_encode(self, data: bytes, salt: str, mode: bytes, decision: Decision) -> tuple[bytes, bytes]:
+    def _lookup_encode(self, data: bytes, salt: str, mode: bytes, decision: Decision,
+                       n_chars: int) -> tuple[bytes, bytes]:
         """(raw ids, L0 key) of ``data``: L0, else longest L1/AR prefix + encoded tail.
 
         Phase times (perf_counter_ns start, end) go to ``decision.timings``
@@ -208,19 +209,14 @@ class ModelEngine:
         spans = self.scanner.spans(data)
         cuts = [end for _, end in spans]
         decision.boundaries = len(cuts)
-        stream = KeyStream(salt, mode)
-        keys: list[bytes] = []
-        prev = 0
-        for cut in cuts:
-            stream.feed(data[prev:cut])
-            keys.append(stream.prefix_key())
-            prev = cut
-        stream.feed(data[prev:])
-        exact_key = stream.exact_key()
+        keys = TextKeys(data, cuts, salt, mode)
+        exact_key = keys.exact_key()
         store = self.store
         if store is not None:
             try:
-                hit = store.get(exact_key)
+                hit = self.memo.get(store, exact_key)
+                if hit is None:
+                    hit = store.get(exact_key)
             except StoreError:
                 log.exception("store read failed; encoding without cache")
                 decision.store_errors += 1
@@ -229,14 +225,14 @@ class ModelEngine:
             if hit is not None:
                 decision.source = "l0"
                 decision.cached_tokens = len(hit) // 4
-                decision.cached_chars = len(data.decode("utf-8"))
+                decision.cached_chars = n_chars
                 decision.cached_bytes = len(data)
                 decision.timings["lookup"] = (t0, time.perf_counter_ns())
                 return hit, exact_key
         # Longest cached cut (L1).
-        j, prefix = (-1, b"") if store is None else self._longest(store, keys)
+        j, prefix = (-1, b"") if store is None else self._longest(store, self.memo, keys, len(cuts))
         start = cuts[j] if j >= 0 else 0
-        parent = keys[j] if j >= 0 else None
+        parent = keys.key(j) if j >= 0 else None
         first_new = j + 1  # index of the first cut not covered by the cached prefix
         if j >= 0:
             decision.source = "l1"
@@ -274,18 +270,28 @@ class ModelEngine:
         tail_chars = len(data[start:].decode("utf-8"))
         if decision.source != "miss":
             decision.cached_tokens = len(prefix) // 4
-            decision.cached_chars = len(data.decode("utf-8")) - tail_chars
+            decision.cached_chars = n_chars - tail_chars
         decision.encoded_chars = tail_chars
         decision.cached_bytes = start
         decision.encoded_bytes = len(data) - start
         if store is not None:
-            entries = [(keys[i], ends[n]) for n, i in enumerate(range(first_new, len(cuts)))]
-            entries.append((exact_key, ends[-1]))
+            keys.fill(first_new, len(cuts))
+            entries: list[tuple[bytes, int] | tuple[bytes, int, Kind]] = [
+                (keys.key(i), ends[n]) for n, i in enumerate(range(first_new, len(cuts)))]
+            entries.append((exact_key, ends[-1], Kind.L0))  # its own kind: --ttl-l0 applies
             try:
                 decision.stored = store.put(parent, len(prefix) // 4, flat, entries, Kind.L1)
             except StoreError:
                 log.exception("store write failed; result served uncached")
                 decision.store_errors += 1
+            if decision.stored:
+                # The next turn of this conversation looks these up: keep their ids.
+                if len(cuts) > first_new:
+                    last = len(cuts) - 1
+                    self.memo.put(store, keys.key(last), prefix + flat[:ends[last - first_new] * 4])
+                self.memo.put(store, exact_key, prefix + flat)
+            elif parent is not None:
+                self.memo.drop(parent)  # its chain may be gone: read it from the store next time
             decision.timings["insert"] = (t2, time.perf_counter_ns())
         return prefix + flat, exact_key
 
@@ -401,7 +407,7 @@ class ModelEngine:
         if prompt_ids[:len(affix_pre)] != affix_pre:
             raise InvalidRequest("prompt_token_ids", "does not start with the tokenizer's BOS tokens")
         raw_prompt = prompt_ids[len(affix_pre):]
-        served, prompt_key = self._lookup_encode(data, salt, MODE_KV_STABLE, Decision())
+        served, prompt_key = self._lookup_encode(data, salt, MODE_KV_STABLE, Decision(), len(prompt_text))
         out_bytes = _le(array("I", verified.ids))
         if _le(array("I", raw_prompt)) == served:
             parent, parent_tokens, record = prompt_key, len(raw_prompt), out_bytes
@@ -415,8 +421,7 @@ class ModelEngine:
         stream.feed(output_text.encode("utf-8"))
         prefix_key = stream.output_key()
         n_out = len(verified.ids)
-        entries = 1
-        self.store.put(parent, parent_tokens, record, [(prefix_key, len(record) // 4)], Kind.AR)
+        entries = self._put_ar(parent, parent_tokens, record, [(prefix_key, len(record) // 4)])
         # Segment entries, one record per distinct start token.
         by_start: dict[int, list[tuple[bytes, int]]] = {}
         out_data = output_text.encode("utf-8")
@@ -427,33 +432,66 @@ class ModelEngine:
             by_start.setdefault(seg.start, []).append((key, seg.end - seg.start))
         for seg_start, keys in by_start.items():
             longest = max(n for _, n in keys)
-            self.store.put(None, 0, _le(array("I", verified.ids[seg_start:seg_start + longest])), keys, Kind.AR)
-            entries += len(keys)
-        return RecordResult(recorded_tokens=n_out, stop_token_dropped=verified.stop_token_dropped,
-                            entries=entries)
+            entries += self._put_ar(None, 0, _le(array("I", verified.ids[seg_start:seg_start + longest])), keys)
+        # A store that took nothing (full of a bigger record, lock stuck) is reported, not
+        # raised: recording is best effort and the caller's request already succeeded.
+        return RecordResult(recorded_tokens=n_out if entries else 0,
+                            stop_token_dropped=verified.stop_token_dropped, entries=entries)
+
+    def _put_ar(self, parent: bytes | None, parent_tokens: int, ids: bytes,
+                keys: list[tuple[bytes, int]]) -> int:
+        """Store one AR record; the number of keys stored (0 if the store refused or failed)."""
+        assert self.store is not None
+        try:
+            return len(keys) if self.store.put(parent, parent_tokens, ids, keys, Kind.AR) else 0
+        except StoreError:
+            log.exception("store write failed; output not recorded")
+            return 0
 
     def _decode(self, ids: list[int]) -> str:
         return str(self.reference.tokenizer.decode(ids, skip_special_tokens=False))
 
     @staticmethod
-    def _longest(store: Store, keys: list[bytes]) -> tuple[int, bytes]:
-        """(index, ids) of the longest cut whose prefix is cached, or (-1, b"")."""
-        n = len(keys)
-        for i in range(n - 1, max(-1, n - 1 - _TAIL_PROBES), -1):
-            hit = store.get(keys[i])
+    def _longest(store: Store, memo: ChainMemo, keys: TextKeys, n: int) -> tuple[int, bytes]:
+        """(index, ids) of the longest cut whose prefix is cached, or (-1, b"").
+
+        Gallops back from the last cut (a turn adds a handful of cuts, a
+        history rewrite many) with cheap index probes, binary-searches the
+        bracket, and reads the chain of the winner only; a winner whose chain
+        turns out broken is skipped for the next shorter present cut.
+        """
+        keys.fill(n - _TAIL_PROBES, n)
+        hi = n - 1  # highest index that may be present
+        step = 1
+        lo = -1  # known present (or -1)
+        probe = n - 1
+        while probe >= 0:
+            if store.contains(keys.key(probe)):
+                lo = probe
+                break
+            hi = probe - 1
+            probe = n - 1 - step
+            step *= 2
+        if lo < 0 and probe < 0 and hi >= 0:
+            if store.contains(keys.key(0)):
+                lo = 0
+        if lo < 0:
+            return -1, b""
+        # Present at lo, absent at every probed index above it: binary search (lo, hi].
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if store.contains(keys.key(mid)):
+                lo = mid
+            else:
+                hi = mid - 1
+        for i in range(lo, max(-1, lo - _TAIL_PROBES), -1):
+            key = keys.key(i)
+            hit = memo.get(store, key)
+            if hit is None:
+                hit = store.get(key)
             if hit is not None:
                 return i, hit
-        best: tuple[int, bytes] = (-1, b"")
-        lo, hi = 0, n - 1 - _TAIL_PROBES
-        while lo <= hi:
-            mid = (lo + hi) // 2
-            hit = store.get(keys[mid])
-            if hit is None:
-                hi = mid - 1
-            else:
-                best = (mid, hit)
-                lo = mid + 1
-        return best
+        return -1, b""
 
     def info(self) -> dict[str, Any]:
         """Static facts about this model, for ListModels and logs."""

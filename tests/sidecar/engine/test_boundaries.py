@@ -87,3 +87,23 @@ def test_scanner_prefers_longest_added_token() -> None:
     # "<a>" is a boundary, "<a>x" a longer non-boundary added token: no cut inside it.
     scanner = BoundaryScanner(["<a>", "<a>x"], ["<a>"])
     assert scanner.cuts(b"<a>x <a> <a>") == [8, 12]
+
+
+def test_incremental_scan_equals_full_scan(qwen3_path: Path) -> None:
+    """The scan memo reuses a previous text's matches; results equal a fresh full scan."""
+    import random
+
+    path = qwen3_path / "tokenizer.json"
+    check = check_boundaries(path, TokenizersEncoder(path))
+    memo = BoundaryScanner.from_tokenizer(path, check)
+    added = [str(t["content"]) for t in json.loads(path.read_text())["added_tokens"]]
+    fresh = BoundaryScanner(added, check.boundary_tokens, memo_texts=0)
+    rng = random.Random(7)
+    parts = ["<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "x", " ", "\n", "<|im_",
+             "end|>", "<", "|", ">", "think>", "你好", "<tool_response>"]
+    for _ in range(200):
+        text = ""
+        for _ in range(rng.randint(1, 8)):
+            text += "".join(rng.choice(parts) for _ in range(rng.randint(0, 12)))
+            data = text.encode()
+            assert memo.spans(data) == fresh.spans(data), text

@@ -1,0 +1,55 @@
+"""Smoke test of the main benchmark: one short run, every contender's ids checked."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "bench" / "multiturn_latency.py"
+IN_PROCESS = ("tokenizers", "fastokens", "fastokens+seg")
+
+
+def _sidecar_missing() -> str | None:
+    for module in ("sidecar.cli", "sidecar_client"):
+        try:
+            if importlib.util.find_spec(module) is None:
+                return f"{module} is not importable yet"
+        except ImportError as exc:
+            return f"{module} is not importable yet: {exc}"
+    return None
+
+
+@pytest.mark.skipif(_sidecar_missing() is not None, reason=str(_sidecar_missing()))
+def test_quick_run_checks_every_contender(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick", "--no-smg", "--out-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    result = json.loads((tmp_path / "multiturn_latency.json").read_text())
+    turns = result["config"]["turns"]
+    assert result["config"]["conversations"] == 1 and turns == 10
+    contenders = result["contenders"]
+    for name in (*IN_PROCESS, "tokcache"):
+        c = contenders[name]
+        assert c["status"] == "ok", c["reason"]
+        assert c["ids_checked"] and c["checked_calls"] == turns and c["mismatches"] == 0, name
+        assert len(c["samples"]) == turns and all(s["us"] > 0 for s in c["samples"]), name
+    assert "smg" not in contenders
+    assert contenders["tokcache-floor"]["status"] == "ok"
+    assert result["mismatches"] == [] and result["exit_code"] == 0
+    assert result["tokcache"]["l1_hit_share_turns_ge2"] is not None
+    assert (tmp_path / "multiturn_latency.png").stat().st_size > 0
+    # Nothing of the run's sidecar is left behind.
+    prefix = result["tokcache"]["shm_prefix"]
+    assert not list(Path("/dev/shm").glob(f"{prefix}*"))
+    assert not list(Path("/dev/shm").glob(f"sem.{prefix}*"))
