@@ -100,7 +100,7 @@ class TextKeys:
     def fill(self, lo: int, hi: int) -> None:
         """Compute the keys of cuts ``lo <= i < hi`` in one running pass."""
         lo = max(lo, 0)
-        if lo >= hi:
+        if lo >= hi or all(k is not None for k in self._keys[lo:hi]):
             return
         h = self._base._h.copy()
         h.update(self._data[:self._cuts[lo]])

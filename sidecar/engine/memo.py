@@ -28,7 +28,8 @@ class ChainMemo:
     def __init__(self, max_bytes: int = DEFAULT_MEMO_BYTES) -> None:
         self._max = max_bytes
         self._bytes = 0
-        self._entries: OrderedDict[bytes, tuple[int, bytes]] = OrderedDict()
+        # key -> (record version, buffer, bytes of the buffer that are key's ids)
+        self._entries: OrderedDict[bytes, tuple[int, bytes, int]] = OrderedDict()
         self._lock = threading.Lock()
 
     def get(self, store: Store, key: bytes) -> bytes | None:
@@ -43,25 +44,30 @@ class ChainMemo:
         with self._lock:
             if key in self._entries:
                 self._entries.move_to_end(key)
-        return entry[1]
+        _, buf, n = entry
+        return buf if n == len(buf) else buf[:n]
 
-    def put(self, store: Store, key: bytes, ids: bytes) -> None:
-        """Remember ``ids`` for ``key`` as stored now (call right after the store put)."""
+    def put(self, store: Store, key: bytes, ids: bytes, n: int | None = None) -> None:
+        """Remember ``ids[:n]`` for ``key`` as stored now (call right after the store put).
+
+        Several keys may share one buffer; the byte budget counts each entry's share.
+        """
+        n = len(ids) if n is None else n
         version = store.version(key)
-        if version is None or len(ids) > self._max:
+        if version is None or n > self._max:
             return
         with self._lock:
             old = self._entries.pop(key, None)
             if old is not None:
-                self._bytes -= len(old[1])
-            self._entries[key] = (version, ids)
-            self._bytes += len(ids)
+                self._bytes -= old[2]
+            self._entries[key] = (version, ids, n)
+            self._bytes += n
             while self._bytes > self._max:
-                _, (_, dropped) = self._entries.popitem(last=False)
-                self._bytes -= len(dropped)
+                _, (_, _, dropped) = self._entries.popitem(last=False)
+                self._bytes -= dropped
 
     def drop(self, key: bytes) -> None:
         with self._lock:
             old = self._entries.pop(key, None)
             if old is not None:
-                self._bytes -= len(old[1])
+                self._bytes -= old[2]

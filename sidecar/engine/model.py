@@ -284,15 +284,18 @@ class ModelEngine:
             except StoreError:
                 log.exception("store write failed; result served uncached")
                 decision.store_errors += 1
+            full = prefix + flat
             if decision.stored:
-                # The next turn of this conversation looks these up: keep their ids.
+                # The next turn of this conversation looks these up: keep their ids
+                # (one buffer; the last cut's ids are a prefix of it).
                 if len(cuts) > first_new:
                     last = len(cuts) - 1
-                    self.memo.put(store, keys.key(last), prefix + flat[:ends[last - first_new] * 4])
-                self.memo.put(store, exact_key, prefix + flat)
+                    self.memo.put(store, keys.key(last), full, len(prefix) + ends[last - first_new] * 4)
+                self.memo.put(store, exact_key, full)
             elif parent is not None:
                 self.memo.drop(parent)  # its chain may be gone: read it from the store next time
             decision.timings["insert"] = (t2, time.perf_counter_ns())
+            return full, exact_key
         return prefix + flat, exact_key
 
     def _prefix_ar(self, store: Store, data: bytes, salt: str, mode: bytes, spans: list[tuple[int, int]],
@@ -303,7 +306,7 @@ class ModelEngine:
         Keys are derived only past the L1 hit: one extra hash of the cached
         prefix instead of an extra digest at every boundary of the text.
         """
-        candidates = [(i, s) for i, (s, _) in enumerate(spans) if i > j and s >= start]
+        candidates = [(i, s) for i, (s, _) in enumerate(spans[j + 1:], j + 1) if s >= start]
         if not candidates:
             return None
         stream = KeyStream(salt, mode)

@@ -3,28 +3,43 @@
 One POSIX shared-memory segment per model fingerprint holds a header, an index and a
 circular log of records (see ``_layout``). Entries chain to a parent record so a growing
 conversation costs memory linear in its length; eviction is FIFO by bytes with hot chains
-copied forward (approximate LRU), plus a TTL per entry kind.
+copied forward (approximate LRU), a TTL per entry kind, and a soft cap that memory
+pressure lowers (``Store.shrink``: evict, and give the pages back to the kernel).
 
 Typical use::
 
     store = Store.open(prefix="tokcache", fingerprint=fp_hex, size=256 << 20)
     store.put(None, 0, ids, [(key_turn1, len(ids) // 4)], Kind.L1)
     store.get(key_turn1)  # -> ids, or None
+
+Readers that must never write (a co-located client, ``tokcache-sidecar stats``)::
+
+    reader = Store.attach_readonly(prefix="tokcache", fingerprint=fp_hex)
+    DirectLookup(prefix="tokcache", fingerprint=fp_hex).get_ids(text)   # L0 without RPC
+    read_stats("tokcache")  # -> [{"name": ..., "used_bytes": ..., ...}, ...]
 """
 
 from __future__ import annotations
 
-from ._store import Kind, Store, StoreStats, segment_name
+from ._direct import DirectLookup, l0_key
+from ._reader import StoreReader, read_stats
+from ._store import EVICTION_CAUSES, Kind, Shrink, Store, StoreStats, segment_name
 from .errors import LockTimeout, SegmentError, SegmentMismatch, StoreClosed, StoreError
 
 __all__ = [
+    "EVICTION_CAUSES",
+    "DirectLookup",
     "Kind",
     "LockTimeout",
     "SegmentError",
     "SegmentMismatch",
+    "Shrink",
     "Store",
     "StoreClosed",
     "StoreError",
+    "StoreReader",
     "StoreStats",
+    "l0_key",
+    "read_stats",
     "segment_name",
 ]

@@ -17,7 +17,10 @@ Header page
         W_RETIRED            RETIRED_MARK once the segment was replaced under its name;
         W_LOCK_*             the writer lock holder (see ``_lock``);
         W_HITS..W_CORRUPT    reader counters (lock-free read-modify-write: lossy);
-        W_PUTS..             writer counters (updated under the lock: exact).
+        W_PUTS..             writer counters (updated under the lock: exact), evictions by
+                             cause (capacity, TTL sweep, pressure);
+        W_SOFT_CAP           the arena bytes writers may use (0: all), set under memory
+                             pressure; W_RELEASE_* track pages given back to the kernel.
 
 Index
     Buckets of BUCKET_SIZE (512) bytes: BUCKET_SLOTS one-byte tags, padding to SLOTS_OFF,
@@ -34,7 +37,12 @@ Index
 Arena
     A circular log addressed by a monotonic byte position, the LSN; position = lsn % size.
     The live region is ``[tail, head)``; a record never wraps (the writer pads to the start).
-    Record = RECORD header | entries: n_entries x (key 16, n u32) | ids (u32 LE) | pad to 8.
+    Record = RECORD header | entries: n_entries x ENTRY | ids (u32 LE) | pad to 8.
+    ENTRY = key (16) | n u32 (ids of the record the key uses) | expiry u32 | kind u8 | pad 3:
+    every key has its own kind and expiry (an L0 key shares a record with the L1 keys of
+    the same request), and the record's header ``expiry`` is the latest of its entries'
+    (0 if any entry never expires): the TTL sweep reclaims a record at the tail once every
+    key in it has expired.
     The gap a writer skips at the end of the arena starts with (PAD_MAGIC, gap size) at
     RECORD_MAGIC_OFF when it has room for a record header, so the evicting writer can step
     over whole records from tail (to count them); a gap too short for that is implied.
@@ -52,7 +60,7 @@ from typing import Final
 
 from blake3 import blake3
 
-LAYOUT_VERSION: Final = 1
+LAYOUT_VERSION: Final = 2
 MAGIC: Final = b"TOKCACHE"
 PAGE: Final = 4096
 HEADER_SIZE: Final = PAGE
@@ -82,9 +90,14 @@ W_MISSES: Final = 49
 W_EXPIRED: Final = 50
 W_CORRUPT: Final = 51
 W_PUTS: Final = 56  # byte 448: counters only the lock holder bumps
-W_EVICTIONS: Final = 57
+W_EVICT_CAP: Final = 57  # records evicted to make room within the byte cap
 W_INDEX_EVICTIONS: Final = 58
 W_CONSOLIDATIONS: Final = 59
+W_EVICT_TTL: Final = 60  # records swept off the tail because every key in them expired
+W_EVICT_PRESSURE: Final = 61  # records evicted to honour the soft cap (memory pressure)
+W_SOFT_CAP: Final = 64  # byte 512: arena bytes writers may use; 0 = the whole arena
+W_RELEASE_TAIL: Final = 65  # tail when arena pages were last given back
+W_RELEASED: Final = 66  # bytes of arena pages given back (madvise MADV_REMOVE), cumulative
 # Eight arbitrary bytes: a random write landing on W_RETIRED must not retire a segment.
 RETIRED_MARK: Final = int.from_bytes(b"RETIRED!", "little")
 
@@ -116,13 +129,17 @@ LSN_SOFT_LIMIT: Final = 1 << 55
 # passes it, which readers and the writer test in O(1).
 RECORD: Final = struct.Struct("<16sIIQQ8sIIIHBBIIQ")
 RECORD_SIZE: Final = RECORD.size
-ENTRY: Final = struct.Struct("<16sI")
+ENTRY: Final = struct.Struct("<16sIIB3x")
 ENTRY_SIZE: Final = ENTRY.size
+ENTRY_TAIL: Final = struct.Struct("<IIB")  # the entry after its key: n, expiry, kind
 RECORD_MAGIC: Final = int.from_bytes(b"TKR1", "little")
 PAD_MAGIC: Final = int.from_bytes(b"TKP1", "little")
 MAGIC_SIZE: Final = struct.Struct("<II")  # (magic, size) at RECORD_MAGIC_OFF
+U64: Final = struct.Struct("<Q")
 RECORD_MAGIC_OFF: Final = 16
 RECORD_SIZE_OFF: Final = 20
+RECORD_LSN_OFF: Final = struct.calcsize("<16sII")  # the record's own LSN (u64)
+RECORD_EXPIRY_OFF: Final = struct.calcsize("<16sIIQQ8sIIIHBB")  # latest expiry of its keys (u32)
 RECORD_ALIGN: Final = 8
 MIN_RECORD: Final = (RECORD_SIZE + ENTRY_SIZE + RECORD_ALIGN - 1) & ~(RECORD_ALIGN - 1)
 F_HAS_PARENT: Final = 1

@@ -14,12 +14,20 @@ blake3 check, link to its parent), and only then re-reads tail. The writer moves
 a record before overwriting any of it, so a record still at or above tail after the copy
 was not being overwritten during it: a torn copy always ends as a miss, and the checks
 also turn any stray write into a miss.
+
+Tail moves for three reasons, each counted: room for an append within the arena (cap),
+room within the soft cap that memory pressure sets (pressure), and records at the tail
+whose every key has expired (TTL sweep). Pages of the arena outside ``[tail, head)`` may
+be given back to the kernel (``madvise(MADV_REMOVE)`` punches holes in the tmpfs file);
+that happens after tail has moved past them, so a reader racing it sees zeros in a record
+below tail, which is a miss like any other overwrite.
 """
 
 from __future__ import annotations
 
 import logging
 import mmap
+from collections.abc import Sequence
 from typing import Final, NamedTuple
 
 from blake3 import blake3
@@ -28,6 +36,7 @@ from ._layout import (
     CHECK_SIZE,
     ENTRY,
     ENTRY_SIZE,
+    ENTRY_TAIL,
     F_HAS_PARENT,
     KEY_SIZE,
     LINK_CHECK_SIZE,
@@ -37,19 +46,28 @@ from ._layout import (
     MAGIC_SIZE,
     MIN_RECORD,
     PAD_MAGIC,
+    PAGE,
     RECORD,
+    RECORD_EXPIRY_OFF,
+    RECORD_LSN_OFF,
     RECORD_MAGIC,
     RECORD_MAGIC_OFF,
     RECORD_SIZE,
     RECORD_SIZE_OFF,
     U32,
+    U64,
     W_CORRUPT,
-    W_EVICTIONS,
+    W_EVICT_CAP,
+    W_EVICT_PRESSURE,
+    W_EVICT_TTL,
     W_HEAD,
+    W_RELEASE_TAIL,
+    W_RELEASED,
+    W_SOFT_CAP,
     W_TAIL,
 )
 
-__all__ = ["CORRUPT", "EVICTED", "MAX_CHAIN", "Chain", "Link", "Log", "ParentRef"]
+__all__ = ["CORRUPT", "EVICTED", "MAX_CHAIN", "Chain", "Entry", "Link", "Log", "ParentRef"]
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +79,15 @@ CORRUPT: Final = 2
 _ZERO_CHECK: Final = bytes(CHECK_SIZE)
 _ZERO_LINK_CHECK: Final = bytes(LINK_CHECK_SIZE)
 
-Chain = tuple[bytes, int, int, int]
-"""A verified chain: (ids, LSN of its oldest record, number of records, key's expiry)."""
+# Records the TTL sweep steps over per call: bounds the time a put spends on it.
+SWEEP_STEPS: Final = 64
+
+Chain = tuple[bytes, int, int, int, int]
+"""A verified chain: (ids, LSN of its oldest record, number of records, the key's expiry,
+the earliest expiry among the records before the key's own (0: none expires))."""
+
+Entry = tuple[bytes, int, int, int]
+"""One key of a record being written: (key, ids of the record it uses, kind, expiry)."""
 
 
 class Link(NamedTuple):
@@ -119,8 +144,11 @@ class Log:
         expect_check = b""
         end = 0
         key_expiry = 0
+        chain_expiry = 0
         depth = 0
         pos = cur % arena_size
+        if cur < tail:
+            return EVICTED  # before touching its bytes: their page may have been given back
         if pos + MIN_RECORD > arena_size:
             return self._failed(cur)
         size = U32.unpack_from(mm, arena_off + pos + RECORD_SIZE_OFF)[0]
@@ -144,7 +172,7 @@ class Log:
                 base,
                 n_ids,
                 n_entries,
-                rec_kind,
+                _rec_kind,
                 flags,
                 expiry,
                 parent_size,
@@ -162,15 +190,18 @@ class Log:
                 return self._failed(cur)
             if n < 0:
                 q = _find_entry(rec, key, ids_off)
-                if q < 0 or rec_kind != kind:
+                if q < 0:
                     return self._failed(cur)
-                n = U32.unpack_from(rec, q + KEY_SIZE)[0]
+                n, key_expiry, entry_kind = ENTRY_TAIL.unpack_from(rec, q + KEY_SIZE)
+                if entry_kind != kind:
+                    return self._failed(cur)
                 if floor < tail:
                     return EVICTED  # its oldest link is gone: do not bother walking
                 end = cur + size
-                key_expiry = expiry
             elif base + n != expect_base or not rec.startswith(expect_check):
                 return self._failed(cur)
+            elif expiry and (not chain_expiry or expiry < chain_expiry):
+                chain_expiry = expiry
             if n > n_ids:
                 return self._failed(cur)
             if n:
@@ -195,7 +226,7 @@ class Log:
         else:
             parts.reverse()
             data = b"".join(parts)
-        return data, cur, depth, key_expiry
+        return data, cur, depth, key_expiry, chain_expiry
 
     def _failed(self, lsn: int) -> int:
         """Why verifying the record at ``lsn`` failed: overwritten after eviction, or corrupt."""
@@ -220,11 +251,15 @@ class Log:
         log.warning("store %s: log bounds head=%d tail=%d were corrupt; log reset", self._name, head, tail)
         return fresh, fresh
 
-    def needed(self, head: int, size: int) -> int:
+    def cap(self) -> int:
+        """The bytes the live log may span now: the arena, or less under a soft cap."""
+        return effective_cap(self._words[W_SOFT_CAP], self.size)
+
+    def needed(self, head: int, size: int, cap: int) -> int:
         """The tail that appending ``size`` bytes at ``head`` requires (all below dies)."""
         pos = head % self.size
         pad = self.size - pos if pos + size > self.size else 0
-        return head + pad + size - self.size
+        return head + pad + size - cap
 
     def parent(self, lsn_kind: int, key: bytes, tokens: int, head: int, tail: int) -> ParentRef | None:
         """The prefix ``key`` maps to via the record at ``lsn_kind``, if it is live, lists
@@ -266,14 +301,17 @@ class Log:
         size: int,
         link: Link | None,
         ids: bytes,
-        entries: list[tuple[bytes, int]],
+        entries: Sequence[Entry],
         kind: int,
         expiry: int,
         flags: int,
+        cap: int,
     ) -> tuple[int, int, int]:
-        """Write one record of ``size`` bytes at head, evicting as needed.
+        """Write one record of ``size`` bytes at head, evicting so the log spans <= ``cap``.
 
         Returns (its LSN, new tail, new head); the caller then points index slots at it.
+        Records evicted to stay within the arena count as cap evictions, those evicted
+        only because ``cap`` is below the arena size as pressure evictions.
         """
         mm = self._mm
         words = self._words
@@ -286,8 +324,12 @@ class Log:
             words[W_TAIL] = 0
             tail = lsn = pos = pad = 0
         needed = lsn + size - self.size
-        if tail < needed:
-            tail = self._evict(tail, needed, lsn)
+        soft_needed = lsn + size - cap
+        if tail < soft_needed:
+            if tail < needed:
+                tail = self._evict(tail, needed, lsn, W_EVICT_CAP)
+            if tail < soft_needed:
+                tail = self._evict(tail, soft_needed, lsn, W_EVICT_PRESSURE)
             words[W_TAIL] = tail  # published before any byte below it is overwritten
         if pad >= RECORD_SIZE:
             MAGIC_SIZE.pack_into(mm, self._off + pos + RECORD_MAGIC_OFF, PAD_MAGIC, pad)
@@ -297,8 +339,86 @@ class Log:
         words[W_HEAD] = head  # the record is complete before any slot can point at it
         return lsn, tail, head
 
-    def _evict(self, tail: int, needed: int, limit: int) -> int:
-        """Advance ``tail`` over whole records until it reaches ``needed`` (<= ``limit``)."""
+    def evict_to(self, head: int, tail: int, target: int) -> int:
+        """Advance tail until the log spans at most ``target`` bytes (pressure evictions).
+
+        Publishes and returns the new tail. Lock held.
+        """
+        if head - tail > target:
+            tail = self._evict(tail, head - target, head, W_EVICT_PRESSURE)
+            self._words[W_TAIL] = tail
+        return tail
+
+    def sweep(self, head: int, tail: int, now: float) -> int:
+        """Advance tail over records whose every key has expired (at most SWEEP_STEPS).
+
+        Stops at the first record that has a live key, never expires, or does not parse
+        (the cap eviction deals with that one). Publishes and returns the new tail. Lock held.
+        """
+        mm = self._mm
+        arena_size = self.size
+        swept = 0
+        start = tail
+        for _ in range(SWEEP_STEPS):
+            if tail >= head:
+                break
+            pos = tail % arena_size
+            room = arena_size - pos
+            if room < RECORD_SIZE:
+                tail += room
+                continue
+            off = self._off + pos
+            magic, size = MAGIC_SIZE.unpack_from(mm, off + RECORD_MAGIC_OFF)
+            if magic == PAD_MAGIC and size == room:
+                tail += size
+                continue
+            if magic != RECORD_MAGIC or not MIN_RECORD <= size <= room or size & 7 or tail + size > head:
+                break
+            own = U64.unpack_from(mm, off + RECORD_LSN_OFF)[0]
+            expiry = U32.unpack_from(mm, off + RECORD_EXPIRY_OFF)[0]
+            if own != tail or not expiry or now < expiry:
+                break
+            tail += size
+            swept += 1
+        tail = min(tail, head)
+        if tail != start:
+            self._words[W_TAIL] = tail
+            if swept:
+                self._words[W_EVICT_TTL] += swept
+        return tail
+
+    def release(self, head: int, tail: int) -> int:
+        """Give the arena pages outside ``[tail, head)`` back to the kernel. Lock held.
+
+        A page holding any live byte is kept. Returns the bytes of the ranges punched
+        (pages that were already holes included; ``st_blocks`` tells what is resident).
+        """
+        arena_size = self.size
+        live = head - tail
+        if live >= arena_size:
+            return 0
+        if live <= 0:
+            free = [(0, arena_size)]
+        else:
+            t = tail % arena_size
+            e = t + live
+            free = [(0, t), (e, arena_size)] if e <= arena_size else [(e - arena_size, t)]
+        released = 0
+        for lo, hi in free:
+            start = self._off + _page_up(lo)
+            # The arena's last partial page holds no live byte past arena_size.
+            end = self._off + (_page_up(hi) if hi == arena_size else _page_down(hi))
+            if end > start:
+                self._mm.madvise(mmap.MADV_REMOVE, start, end - start)
+                released += end - start
+        words = self._words
+        words[W_RELEASE_TAIL] = tail
+        words[W_RELEASED] += released
+        return released
+
+    def _evict(self, tail: int, needed: int, limit: int, cause: int) -> int:
+        """Advance ``tail`` over whole records until it reaches ``needed`` (<= ``limit``);
+        count the records in the header word ``cause``."""
         mm = self._mm
         arena_size = self.size
         evicted = 0
@@ -320,8 +440,32 @@ class Log:
                 # every lap starts with a record, so the walk (and its count) resyncs there.
                 tail = min(needed, tail + room)
         if evicted:
-            self._words[W_EVICTIONS] += evicted
+            self._words[cause] += evicted
         return min(tail, limit)
+
+
+def effective_cap(soft_cap: int, arena_size: int) -> int:
+    """The span the live log may have under the header's soft cap word.
+
+    0, a value at or above the arena, or one that no writer could have stored (not a
+    multiple of 8, below the floor: a stray write) all mean the whole arena.
+    """
+    if soft_cap <= 0 or soft_cap >= arena_size or soft_cap & 7 or soft_cap < min_soft_cap(arena_size):
+        return arena_size
+    return soft_cap
+
+
+def min_soft_cap(arena_size: int) -> int:
+    """The smallest soft cap honoured: a stray write cannot shrink the cache to nothing."""
+    return max(MIN_RECORD, arena_size // 64) + 7 & ~7
+
+
+def _page_up(n: int) -> int:
+    return (n + PAGE - 1) // PAGE * PAGE
+
+
+def _page_down(n: int) -> int:
+    return n // PAGE * PAGE
 
 
 def _find_entry(rec: bytes, key: bytes, end: int) -> int:
@@ -336,7 +480,7 @@ def _build(
     lsn: int,
     size: int,
     link: Link | None,
-    entries: list[tuple[bytes, int]],
+    entries: Sequence[Entry],
     ids: bytes,
     kind: int,
     flags: int,
@@ -368,8 +512,8 @@ def _build(
         link.floor,
     )
     off = RECORD_SIZE
-    for key, n in entries:
-        ENTRY.pack_into(buf, off, key, n)
+    for key, n, entry_kind, entry_expiry in entries:
+        ENTRY.pack_into(buf, off, key, n, entry_expiry, entry_kind)
         off += ENTRY_SIZE
     buf[off : off + len(ids)] = ids
     buf[:CHECK_SIZE] = blake3(memoryview(buf)[CHECK_SIZE:]).digest(CHECK_SIZE)

@@ -7,6 +7,8 @@ A segment's name only ever refers to a fully initialised segment or to nothing:
   no rename or link call, so this uses the tmpfs that backs it on Linux (``/dev/shm``).
 * **attach** opens the name, checks the file size and the header (magic, layout version,
   header check, fingerprint, geometry) and maps it.
+* **attach read-only** (``attach_readonly``) maps an existing segment ``PROT_READ`` with
+  the size it has, for readers that must never write (co-located clients, ``stats``).
 * **replace** happens when attach finds a segment this opener cannot use. Under an
   ``flock`` on that segment's file, the replacer re-checks that the name still refers to the
   same inode, marks the old segment retired (so processes still attached stop writing to it)
@@ -31,11 +33,20 @@ from typing import Any, Final
 
 import posix_ipc
 
-from . import _layout
+from . import _layout, _proc
 from ._layout import HEADER_SIZE, MAGIC, RETIRED_MARK, W_RETIRED, Geometry
 from .errors import SegmentError, SegmentMismatch
 
-__all__ = ["SHM_DIR", "Segment", "flocked", "open_segment", "shm_path", "unlink_segment"]
+__all__ = [
+    "SHM_DIR",
+    "Segment",
+    "attach_readonly",
+    "flocked",
+    "open_segment",
+    "shm_path",
+    "temp_name",
+    "unlink_segment",
+]
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +129,43 @@ def open_segment(name: str, fingerprint: bytes, size: int) -> Segment:
     raise SegmentError(f"open {name}: lost the create/replace race {_OPEN_ATTEMPTS} times")
 
 
+def attach_readonly(name: str, fingerprint: bytes | None = None) -> Segment:
+    """Map the existing segment ``name`` read-only, whatever its size.
+
+    Validates the header (magic, layout version, check, geometry of its own size, and
+    ``fingerprint`` if given). Raises SegmentError when there is no such segment or on OS
+    errors, SegmentMismatch when it is not a segment this code can read. A retired
+    segment is refused too (its name already points elsewhere).
+    """
+    try:
+        shm = posix_ipc.SharedMemory(name, 0, read_only=True)
+    except posix_ipc.ExistentialError as exc:
+        raise SegmentError(f"attach {name}: no such segment") from exc
+    except (posix_ipc.Error, OSError) as exc:
+        raise SegmentError(f"attach {name}: {exc}") from exc
+    fd = int(shm.fd)
+    try:
+        stat = os.fstat(fd)
+        if stat.st_size < _layout.MIN_SIZE:
+            raise SegmentMismatch(f"size {stat.st_size} is below the minimum {_layout.MIN_SIZE}")
+        geometry = _layout.geometry_for(min(stat.st_size, _layout.MAX_SIZE))
+        mm = mmap.mmap(fd, geometry.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    except SegmentMismatch:
+        shm.close_fd()
+        raise
+    except (OSError, ValueError) as exc:
+        shm.close_fd()
+        raise SegmentError(f"attach {name}: {exc}") from exc
+    try:
+        page = mm[:HEADER_SIZE]
+        validate(page, fingerprint or _layout.unpack_static(page).fingerprint, geometry)
+    except BaseException:
+        mm.close()
+        shm.close_fd()
+        raise
+    return Segment(name, geometry, mm, stat.st_ino, True, shm)
+
+
 def validate(page: bytes, fingerprint: bytes, geometry: Geometry) -> None:
     """Raise SegmentMismatch unless the header ``page`` is ours and matches the request."""
     header = _layout.unpack_static(page)
@@ -195,7 +243,7 @@ def _mark_retired(fd: int) -> None:
 
 def _create(name: str, fingerprint: bytes, geometry: Geometry) -> Segment | None:
     """Create, initialise and publish a segment; None if another process published first."""
-    tmp = f"{name}.new-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp = temp_name(name)
     shm = posix_ipc.SharedMemory(tmp, posix_ipc.O_CREX, mode=MODE, size=geometry.size)
     mm: mmap.mmap | None = None
     published = False
@@ -225,8 +273,18 @@ def _unlink_quietly(name: str) -> None:
         pass
 
 
+def temp_name(name: str) -> str:
+    """A creator's temporary name for ``name``: ``<name>.new-<pidns>-<pid>-<random>``."""
+    me = _proc.current()
+    return f"{name}.new-{me.pidns}-{me.pid}-{secrets.token_hex(4)}"
+
+
 def _remove_stale_temporaries(name: str) -> None:
-    """Remove temporaries of ``name`` left by creators that crashed before publishing."""
+    """Remove temporaries of ``name`` left by creators that crashed before publishing.
+
+    At once when the creator named in it is dead (same pid namespace only: containers
+    of a pod share /dev/shm, not necessarily pids), else once older than a minute.
+    """
     stem = name.lstrip("/") + ".new-"
     try:
         entries = os.listdir(SHM_DIR)
@@ -238,10 +296,19 @@ def _remove_stale_temporaries(name: str) -> None:
             continue
         path = os.path.join(SHM_DIR, entry)
         try:
-            if now - os.stat(path).st_mtime > _STALE_TEMP_SECONDS:
+            if _creator_dead(entry[len(stem) :]) or now - os.stat(path).st_mtime > _STALE_TEMP_SECONDS:
                 os.unlink(path)
         except FileNotFoundError:
             pass
+
+
+def _creator_dead(suffix: str) -> bool:
+    """Whether the creator of a temporary named ``…new-<pidns>-<pid>-<random>`` is dead."""
+    parts = suffix.split("-")
+    if len(parts) != 3 or not parts[0].isdigit() or not parts[1].isdigit():
+        return False
+    who = _proc.Identity(int(parts[1]), 0, int(parts[0]))
+    return _proc.liveness(who) is _proc.Liveness.DEAD
 
 
 def unlink_segment(name: str, inode: int) -> None:

@@ -5,10 +5,19 @@ log of records (``_log``), and the writer lock (``_lock``). Reads are lock-free 
 every byte they return; any failure is a miss, wrong bytes are never returned.
 
 Eviction is FIFO by construction (the log's tail) and approximately LRU by bytes on top:
-a hit whose chain reaches into the oldest eighth of the arena is copied forward as one
+a hit whose chain reaches into the oldest eighth of the log is copied forward as one
 record (best effort, only if the lock is free right now), so touched prefixes outlive
-untouched ones. Index buckets that fill up drop their least recently read slot. TTLs are
-per kind and fixed at put time.
+untouched ones. Index buckets that fill up drop their least recently read slot.
+
+TTLs are per kind, per key, fixed at put time: an expired key is never served, its index
+slot is reused first, and records whose every key expired are swept off the tail (by
+``put`` and :meth:`Store.sweep`). A chain lives as long as its oldest record: a hit whose
+chain holds a record about to expire is copied forward too.
+
+Memory pressure: :meth:`Store.shrink` sets a soft cap in the shared header that every
+writer honours, evicts down to it and gives the freed arena pages back to the kernel
+(tmpfs pages count against a container's memory limit); :meth:`Store.set_soft_cap`
+raises it again. Evictions are counted by cause (cap, ttl, pressure).
 """
 
 from __future__ import annotations
@@ -16,12 +25,13 @@ from __future__ import annotations
 import enum
 import math
 import mmap
+import os
 import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Final
+from typing import TYPE_CHECKING, Final, NamedTuple
 
 from . import _layout
 from ._index import Index
@@ -31,30 +41,45 @@ from ._layout import (
     KEY_SIZE,
     LSN_BITS,
     MAX_ENTRIES,
+    PAGE,
+    RECORD_ALIGN,
     RETIRED_MARK,
     U32_MAX,
     W_CONSOLIDATIONS,
     W_CORRUPT,
-    W_EVICTIONS,
+    W_EVICT_CAP,
+    W_EVICT_PRESSURE,
+    W_EVICT_TTL,
     W_EXPIRED,
     W_HEAD,
     W_HITS,
     W_INDEX_EVICTIONS,
+    W_LOCK_PID,
     W_LOCK_RECOVERIES,
     W_MISSES,
     W_PUTS,
+    W_RELEASE_TAIL,
+    W_RELEASED,
     W_RETIRED,
+    W_SOFT_CAP,
     W_TAIL,
     ZERO_KEY,
 )
 from ._lock import DEFAULT_TIMEOUT, WriterLock
-from ._log import CORRUPT, Link, Log
+from ._log import CORRUPT, Entry, Link, Log, effective_cap, min_soft_cap
 from ._segment import Segment, open_segment, unlink_segment
 from .errors import FOREIGN_ERRORS, StoreClosed, translate, translated
 
-__all__ = ["Kind", "Store", "StoreStats", "segment_name"]
+if TYPE_CHECKING:
+    from ._reader import StoreReader
+
+__all__ = ["EVICTION_CAUSES", "Kind", "Shrink", "Store", "StoreStats", "segment_name"]
 
 CONSOLIDATE_DEPTH: Final = 1024  # a hit this deep is rewritten as one record
+EVICTION_CAUSES: Final = ("cap", "ttl", "pressure")
+# Under a soft cap, free arena pages are given back each time tail has moved this far
+# (or an eighth of the cap, if larger): one madvise per batch, not per put.
+RELEASE_BATCH: Final = 64 * PAGE
 _PREFIX_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _FINGERPRINT_RE: Final = re.compile(r"[0-9a-fA-F]{32}")
 
@@ -87,10 +112,17 @@ class StoreStats:
     ``hits``/``misses``/``expired``/``corrupt`` are bumped by readers without a lock and may
     lose concurrent increments; the writer counters are exact. ``expired`` and ``corrupt``
     are the misses caused by a passed TTL and by failed verification (``corrupt`` also
-    counts log resets after a stray write). ``evictions`` counts records dropped off the
-    log, ``index_evictions`` live slots displaced from full buckets. ``live_entries``
+    counts log resets after a stray write). Records dropped off the log are counted by
+    cause: ``evictions`` to make room within the segment (the byte cap),
+    ``ttl_evictions`` swept because every key in them expired, ``pressure_evictions`` to
+    stay under the soft cap memory pressure set; ``evictions_by_cause`` maps "cap",
+    "ttl", "pressure" to the same three. ``index_evictions`` counts live slots displaced
+    from full buckets. ``live_entries``
     counts unexpired slots pointing into the live log (extrapolated from a sample of
     buckets on large segments; a slot whose chain lost a link still counts).
+    ``soft_cap`` is the arena bytes writers may use now (``arena_bytes`` without memory
+    pressure); ``resident_bytes`` the segment's pages actually allocated in tmpfs (what
+    counts against a memory limit), ``released_bytes`` the arena bytes given back so far.
     """
 
     capacity: int
@@ -102,19 +134,48 @@ class StoreStats:
     misses: int
     puts: int
     evictions: int
+    ttl_evictions: int
+    pressure_evictions: int
+    evictions_by_cause: Mapping[str, int]
     expired: int
     corrupt: int
     index_evictions: int
     consolidations: int
     lock_recoveries: int
+    soft_cap: int
+    resident_bytes: int
+    released_bytes: int
+    lock_holder_pid: int
+
+    def as_dict(self) -> dict[str, object]:
+        """JSON-able form (kinds by name)."""
+        out: dict[str, object] = {}
+        for name in self.__dataclass_fields__:
+            value = getattr(self, name)
+            if name == "live_entries":
+                value = {Kind(kind).name: n for kind, n in value.items()}
+            elif isinstance(value, Mapping):
+                value = dict(value)
+            out[name] = value
+        return out
+
+
+class Shrink(NamedTuple):
+    """What :meth:`Store.shrink` did: live log bytes and resident segment bytes, before and after."""
+
+    used_before: int
+    used_after: int
+    resident_before: int
+    resident_after: int
 
 
 class Store:
     """A crash-safe key -> token-ids store in one POSIX shared-memory segment.
 
-    Create with :meth:`open`. ``get`` is lock-free and safe from any number of threads and
-    processes; ``put`` serialises writers through a cross-process lock. ``close`` must not
-    race with other calls on the same instance.
+    Create with :meth:`open` (or :meth:`attach_readonly` for a reader that never writes).
+    ``get`` is lock-free and safe from any number of threads and processes; ``put``,
+    ``shrink``, ``set_soft_cap`` and ``sweep`` serialise writers through a cross-process
+    lock. ``close`` must not race with other calls on the same instance.
     """
 
     name: str
@@ -137,14 +198,19 @@ class Store:
         self._segment = segment
         self._ttl = dict(ttl)
         self._clock = clock
-        # A hit whose oldest link is this far behind head has < 1/8 arena left to live.
-        self._danger = geometry.arena_size - geometry.arena_size // 8
+        # A chain holding a record that expires this soon is copied forward on a hit.
+        positive = [t for t in self._ttl.values() if t > 0]
+        self._ttl_margin = min(positive) / 8 if positive else 0.0
         self._view = memoryview(segment.mm)
         self._header = self._view[:HEADER_SIZE]
         # Header u64 words: aligned 8-byte loads and stores, so head/tail never read torn.
         self._words = self._header.cast("Q")
         self._index = Index(segment.mm, geometry.index_off, geometry.n_buckets, self._words)
         self._log = Log(segment.mm, geometry.arena_off, geometry.arena_size, self._words, self.name)
+        # A hit whose oldest link is this far behind head has < 1/8 of the log left to
+        # live; recomputed when the soft cap word changes.
+        self._soft_word = -1
+        self._danger = 0
         try:
             self._lock = WriterLock(f"{segment.name}.lock", self._words, segment.fd, timeout=lock_timeout)
         except BaseException:
@@ -186,7 +252,59 @@ class Store:
                 segment.close()
                 raise
 
+    @staticmethod
+    def attach_readonly(*, prefix: str, fingerprint: str, clock: Callable[[], float] | None = None) -> StoreReader:
+        """Map the existing segment ``<prefix>-<fingerprint>`` read-only (see StoreReader).
+
+        Never creates, replaces or writes anything; the size comes from the segment.
+        Raises SegmentError when there is no such segment and SegmentMismatch when it is
+        not one this code can read.
+        """
+        from ._reader import StoreReader
+
+        return StoreReader.attach(prefix=prefix, fingerprint=fingerprint, clock=clock)
+
     # --- reads --------------------------------------------------------------------------
+
+    def contains(self, key: bytes) -> bool:
+        """Whether ``key`` has a live, unexpired index slot — without reading its chain.
+
+        A cheap probe for searching many candidate keys (the engine's longest-prefix
+        search); a True may still be a miss for :meth:`get` (a chain link evicted or
+        corrupt), never the reverse. Lock-free; counts nothing.
+        """
+        if self._mm is None:
+            raise StoreClosed(f"{self.name} is closed")
+        if len(key) != KEY_SIZE or key == ZERO_KEY:
+            raise ValueError("key must be 16 bytes, not all zero")
+        soff = self._index.find(key)
+        if soff < 0:
+            return False
+        lsn_kind, expiry, _ = self._index.read(soff)
+        if lsn_kind & ((1 << LSN_BITS) - 1) < self._words[W_TAIL]:
+            return False  # the record fell off the log
+        return not expiry or self._clock() < expiry
+
+    def version(self, key: bytes) -> int | None:
+        """An opaque token that changes whenever ``key``'s mapping does, or None if absent.
+
+        It identifies the record the key's live slot points at (records are immutable
+        and never reuse a position), so a caller that cached ``get(key)`` together with
+        ``version(key)`` may reuse its copy while the version is unchanged. Lock-free.
+        """
+        if self._mm is None:
+            raise StoreClosed(f"{self.name} is closed")
+        if len(key) != KEY_SIZE or key == ZERO_KEY:
+            raise ValueError("key must be 16 bytes, not all zero")
+        soff = self._index.find(key)
+        if soff < 0:
+            return None
+        lsn_kind, expiry, _ = self._index.read(soff)
+        if expiry and self._clock() >= expiry:
+            return None
+        if lsn_kind & ((1 << LSN_BITS) - 1) < self._words[W_TAIL]:
+            return None  # the record fell off the log: the slot is stale
+        return int(lsn_kind)
 
     def get(self, key: bytes) -> bytes | None:
         """The ids stored for ``key``: the parent chain's ids then this entry's ids.
@@ -194,8 +312,8 @@ class Store:
         Packed little-endian uint32. None when the key is absent, expired, or any link of
         its chain is missing, evicted or fails verification. Never returns bytes other than
         ones put for this key. Lock-free: never waits for a writer (it may copy a hit
-        forward when its chain is about to be evicted, but only if the lock is free).
-        Raises ValueError for a key that is not 16 bytes or is all zero.
+        forward when its chain is about to be evicted or expire, but only if the lock is
+        free). Raises ValueError for a key that is not 16 bytes or is all zero.
         """
         if self._mm is None:
             raise StoreClosed(f"{self.name} is closed")
@@ -215,18 +333,29 @@ class Store:
                 if found == CORRUPT:
                     words[W_CORRUPT] += 1
                 return None
-            data, oldest, depth, expiry = found
-            if not expiry or now < expiry:  # the record's expiry is the authority
+            data, oldest, depth, expiry, chain_expiry = found
+            if not expiry or now < expiry:  # the record's entry is the authority
                 second = int(now) & U32_MAX
                 if second != access:
                     self._index.touch(soff, second)
                 words[W_HITS] += 1
-                if words[W_HEAD] - oldest > self._danger or depth > CONSOLIDATE_DEPTH:
+                if (
+                    words[W_HEAD] - oldest > self._danger_zone()
+                    or depth > CONSOLIDATE_DEPTH
+                    or (chain_expiry and now + self._ttl_margin >= chain_expiry)
+                ):
                     self._consolidate(key, lsn_kind, data, expiry)
                 return data
         words[W_MISSES] += 1
         words[W_EXPIRED] += 1
         return None
+
+    def _danger_zone(self) -> int:
+        soft = self._words[W_SOFT_CAP]
+        if soft != self._soft_word:
+            cap = effective_cap(soft, self._log.size)
+            self._soft_word, self._danger = soft, cap - cap // 8
+        return self._danger
 
     # --- writes -------------------------------------------------------------------------
 
@@ -235,7 +364,7 @@ class Store:
         parent: bytes | None,
         parent_tokens: int,
         ids: bytes,
-        entries: Sequence[tuple[bytes, int]],
+        entries: Sequence[tuple[bytes, int] | tuple[bytes, int, Kind]],
         kind: Kind,
     ) -> bool:
         """Append one record of ``ids`` (packed LE uint32) continuing ``parent``'s prefix.
@@ -243,8 +372,9 @@ class Store:
         The record's logical prefix is get(parent) (``parent_tokens`` tokens; no parent: 0)
         followed by ``ids``. Each (key, n) in ``entries`` (0 <= n <= len(ids)//4) then maps
         ``key`` to the parent's ids + the first n of ``ids``; many keys share the record,
-        which keeps a growing conversation linear in memory. A key listed twice keeps its
-        last n. Re-putting a key replaces its mapping.
+        which keeps a growing conversation linear in memory. An entry may name its own
+        kind as (key, n, kind) — its TTL then applies to that key — otherwise ``kind``
+        applies. A key listed twice keeps its last n. Re-putting a key replaces its mapping.
 
         Returns False and stores nothing when the record is bigger than the arena, when
         ``parent`` is not (or no longer) stored with exactly ``parent_tokens`` tokens, or
@@ -269,23 +399,25 @@ class Store:
                 raise ValueError(f"parent_tokens must be >= 0, got {parent_tokens}")
         if parent_tokens + n_ids > U32_MAX:
             raise ValueError("more than 2**32 - 1 tokens")
-        mapping: dict[bytes, int] = {}
-        for key, n in entries:
+        mapping: dict[bytes, tuple[int, Kind]] = {}
+        for entry in entries:
+            key, n = entry[0], entry[1]
             _check_key(key, "entry key")
             if not 0 <= n <= n_ids:
                 raise ValueError(f"entry n must be in [0, {n_ids}], got {n}")
-            mapping[key] = n
+            mapping[key] = (n, Kind(entry[2]) if len(entry) > 2 else kind)
         if not mapping:
             raise ValueError("entries must not be empty")
         if len(mapping) > MAX_ENTRIES:
             raise ValueError(f"at most {MAX_ENTRIES} entries per record")
-        items = list(mapping.items())
-        size = _layout.record_size(len(items), len(ids))
+        size = _layout.record_size(len(mapping), len(ids))
         if size > self._log.size:
             return False
         now = self._clock()
-        ttl = self._ttl.get(kind, 0.0)
-        expiry = min(math.ceil(now + ttl), U32_MAX) if ttl > 0 else 0
+        expiry_of = {k: self._expiry(k, now) for k in {k for _, k in mapping.values()}}
+        items: list[Entry] = [(key, n, k, expiry_of[k]) for key, (n, k) in mapping.items()]
+        expiries = list(expiry_of.values())
+        record_expiry = 0 if 0 in expiries else max(expiries)
         try:
             self._lock.acquire()
         except FOREIGN_ERRORS as exc:
@@ -294,13 +426,15 @@ class Store:
             if self._words[W_RETIRED] == RETIRED_MARK:
                 return False
             head, tail = self._log.bounds()
+            tail = self._log.sweep(head, tail, now)
+            cap = self._log.cap()
             link: Link | None = None
             if parent is not None:
                 lsn_kind = self._index.lookup(parent)
                 found = None if lsn_kind < 0 else self._log.parent(lsn_kind, parent, parent_tokens, head, tail)
                 if found is None:
                     return False
-                if found.floor >= self._log.needed(head, size):
+                if found.floor >= self._log.needed(head, size, cap):
                     link = Link(found.lsn, found.check, found.n, parent_tokens, found.size, found.floor)
                 else:
                     # This very append would evict the start of the parent's chain and
@@ -309,15 +443,19 @@ class Store:
                     if isinstance(walked, int) or len(walked[0]) != 4 * parent_tokens:
                         return False
                     ids = walked[0] + ids
-                    items = [(key, n + parent_tokens) for key, n in items]
+                    items = [(key, n + parent_tokens, k, e) for key, n, k, e in items]
                     size = _layout.record_size(len(items), len(ids))
                     if size > self._log.size:
                         return False
-            self._append(head, tail, size, link, ids, items, kind, expiry, 0, now)
+            self._append(head, tail, size, link, ids, items, kind, record_expiry, 0, now, cap)
             self._words[W_PUTS] += 1
             return True
         finally:
             self._lock.release()
+
+    def _expiry(self, kind: Kind, now: float) -> int:
+        ttl = self._ttl.get(kind, 0.0)
+        return min(math.ceil(now + ttl), U32_MAX) if ttl > 0 else 0
 
     def _consolidate(self, key: bytes, lsn_kind: int, data: bytes, expiry: int) -> None:
         """Copy a hit's whole prefix forward as one record and repoint ``key`` (best effort)."""
@@ -328,9 +466,11 @@ class Store:
             if self._words[W_RETIRED] == RETIRED_MARK or self._index.lookup(key) != lsn_kind:
                 return  # replaced segment, or key re-put since we read it: newer wins
             head, tail = self._log.bounds()
-            entries = [(key, len(data) // 4)]
             kind = lsn_kind >> LSN_BITS
-            self._append(head, tail, size, None, data, entries, kind, expiry, F_CONSOLIDATED, self._clock())
+            entries: list[Entry] = [(key, len(data) // 4, kind, expiry)]
+            now = self._clock()
+            cap = self._log.cap()
+            self._append(head, tail, size, None, data, entries, kind, expiry, F_CONSOLIDATED, now, cap)
             self._words[W_CONSOLIDATIONS] += 1
         finally:
             self._lock.release()
@@ -342,18 +482,128 @@ class Store:
         size: int,
         link: Link | None,
         ids: bytes,
-        entries: list[tuple[bytes, int]],
+        entries: list[Entry],
         kind: int,
         expiry: int,
         flags: int,
         now: float,
+        cap: int,
     ) -> None:
-        """Write the record, then point every entry's key at it. Lock held."""
-        lsn, tail, head = self._log.append(head, tail, size, link, ids, entries, kind, expiry, flags)
-        lsn_kind = kind << LSN_BITS | lsn
+        """Write the record, then point every entry's key at it; under a soft cap, give
+        back the pages tail left behind (in batches). Lock held."""
+        lsn, tail, head = self._log.append(head, tail, size, link, ids, entries, kind, expiry, flags, cap)
         access = int(now) & U32_MAX
-        for key, _n in entries:
-            self._index.set(key, lsn_kind, expiry, access, tail, head, now)
+        for key, _n, entry_kind, entry_expiry in entries:
+            self._index.set(key, entry_kind << LSN_BITS | lsn, entry_expiry, access, tail, head, now)
+        if cap < self._log.size:
+            released_at = self._words[W_RELEASE_TAIL]
+            if tail - released_at >= max(RELEASE_BATCH, cap // 8) or released_at > tail:
+                self._log.release(head, tail)
+
+    # --- memory pressure and maintenance ------------------------------------------------
+
+    def shrink(self, target_bytes: int, *, timeout: float | None = None) -> Shrink:
+        """Hold the live log to ``target_bytes``: soft cap, evict, give pages back.
+
+        Sets the shared soft cap (every writer process honours it until
+        :meth:`set_soft_cap` raises it), evicts the oldest records beyond it (counted as
+        pressure evictions) and punches the arena pages outside the live log out of the
+        tmpfs file (``madvise(MADV_REMOVE)``), so ``resident_bytes`` drops. The soft cap
+        has a floor (1/64 of the arena); the index pages stay resident. Idempotent. Takes
+        the writer lock (LockTimeout after ``timeout`` or the store's lock timeout).
+        """
+        if self._mm is None:
+            raise StoreClosed(f"{self.name} is closed")
+        target = self._soft_cap_value(target_bytes)
+        resident_before = self.resident_bytes()
+        self._acquire(timeout)
+        try:
+            head, tail = self._log.bounds()
+            used_before = head - tail
+            self._words[W_SOFT_CAP] = target
+            tail = self._log.sweep(head, tail, self._clock())
+            tail = self._log.evict_to(head, tail, effective_cap(target, self._log.size))
+            self._log.release(head, tail)
+            used_after = head - tail
+        finally:
+            self._lock.release()
+        return Shrink(used_before, used_after, resident_before, self.resident_bytes())
+
+    def set_soft_cap(self, limit_bytes: int | None, *, timeout: float | None = None) -> int:
+        """Let writers use ``limit_bytes`` of the arena (None: all of it); returns the cap in force.
+
+        Raising the cap lets the cache grow back as new records arrive; lowering it only
+        takes effect on the next puts (use :meth:`shrink` to evict and release at once).
+        Takes the writer lock.
+        """
+        if self._mm is None:
+            raise StoreClosed(f"{self.name} is closed")
+        value = 0 if limit_bytes is None else self._soft_cap_value(limit_bytes)
+        self._acquire(timeout)
+        try:
+            self._words[W_SOFT_CAP] = value
+        finally:
+            self._lock.release()
+        return effective_cap(value, self._log.size)
+
+    @property
+    def arena_bytes(self) -> int:
+        """Bytes of the log region (the segment less header and index)."""
+        return self._log.size
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes the live log spans now (cheap: two header words)."""
+        if self._mm is None:
+            raise StoreClosed(f"{self.name} is closed")
+        used = self._words[W_HEAD] - self._words[W_TAIL]
+        return used if 0 <= used <= self._log.size else 0
+
+    @property
+    def soft_cap(self) -> int:
+        """The arena bytes writers may use now (``arena_bytes`` when no soft cap is set)."""
+        if self._mm is None:
+            raise StoreClosed(f"{self.name} is closed")
+        return self._log.cap()
+
+    def sweep(self) -> int:
+        """Reclaim records at the tail whose keys all expired; under a soft cap, also give
+        free pages back. Returns the records swept. Never waits: a busy lock means a writer
+        is at it, and returns 0. Meant for a periodic maintenance tick (puts sweep too).
+        """
+        if self._mm is None:
+            raise StoreClosed(f"{self.name} is closed")
+        if not self._lock.try_acquire():
+            return 0
+        try:
+            if self._words[W_RETIRED] == RETIRED_MARK:
+                return 0
+            before = self._words[W_EVICT_TTL]
+            head, tail = self._log.bounds()
+            tail = self._log.sweep(head, tail, self._clock())
+            if self._log.cap() < self._log.size and self._words[W_RELEASE_TAIL] != tail:
+                self._log.release(head, tail)
+            return int(self._words[W_EVICT_TTL] - before)
+        finally:
+            self._lock.release()
+
+    def resident_bytes(self) -> int:
+        """Bytes of the segment allocated in tmpfs now (charged to a memory cgroup)."""
+        if self._mm is None:
+            raise StoreClosed(f"{self.name} is closed")
+        return _resident(self._segment.fd)
+
+    def _soft_cap_value(self, limit: int) -> int:
+        if limit < 0:
+            raise ValueError(f"soft cap must be >= 0 bytes, got {limit}")
+        floor = min_soft_cap(self._log.size)
+        return min(max(limit, floor), self._log.size) // RECORD_ALIGN * RECORD_ALIGN
+
+    def _acquire(self, timeout: float | None) -> None:
+        try:
+            self._lock.acquire(timeout)
+        except FOREIGN_ERRORS as exc:
+            raise translated(f"lock {self.name}", exc) from exc
 
     # --- introspection and lifetime -----------------------------------------------------
 
@@ -366,25 +616,7 @@ class Store:
         """A snapshot of sizes and the shared counters (see :class:`StoreStats`)."""
         if self._mm is None:
             raise StoreClosed(f"{self.name} is closed")
-        words = self._words
-        head, tail = words[W_HEAD], words[W_TAIL]
-        live = self._index.live_entries(head, tail, self._clock())
-        return StoreStats(
-            capacity=self.size,
-            arena_bytes=self._log.size,
-            used_bytes=head - tail if 0 <= head - tail <= self._log.size else 0,
-            index_slots=self._index.slots,
-            live_entries=MappingProxyType({kind: live.get(kind, 0) for kind in Kind}),
-            hits=words[W_HITS],
-            misses=words[W_MISSES],
-            puts=words[W_PUTS],
-            evictions=words[W_EVICTIONS],
-            expired=words[W_EXPIRED],
-            corrupt=words[W_CORRUPT],
-            index_evictions=words[W_INDEX_EVICTIONS],
-            consolidations=words[W_CONSOLIDATIONS],
-            lock_recoveries=words[W_LOCK_RECOVERIES],
-        )
+        return stats_of(self._words, self._index, self._log, self.size, self._segment.fd, self._clock())
 
     def close(self) -> None:
         """Unmap the segment and drop the lock handle. Idempotent; the segment stays."""
@@ -419,6 +651,43 @@ class Store:
     def __repr__(self) -> str:
         state = "closed" if self._mm is None else f"{self.size} bytes"
         return f"<Store {self.name} {state}>"
+
+
+def stats_of(words: memoryview, index: Index, log: Log, size: int, fd: int, now: float) -> StoreStats:
+    """The StoreStats of a mapped segment (shared by Store and StoreReader)."""
+    head, tail = words[W_HEAD], words[W_TAIL]
+    live = index.live_entries(head, tail, now)
+    by_cause = {"cap": words[W_EVICT_CAP], "ttl": words[W_EVICT_TTL], "pressure": words[W_EVICT_PRESSURE]}
+    return StoreStats(
+        capacity=size,
+        arena_bytes=log.size,
+        used_bytes=head - tail if 0 <= head - tail <= log.size else 0,
+        index_slots=index.slots,
+        live_entries=MappingProxyType({kind: live.get(kind, 0) for kind in Kind}),
+        hits=words[W_HITS],
+        misses=words[W_MISSES],
+        puts=words[W_PUTS],
+        evictions=by_cause["cap"],
+        ttl_evictions=by_cause["ttl"],
+        pressure_evictions=by_cause["pressure"],
+        evictions_by_cause=MappingProxyType(by_cause),
+        expired=words[W_EXPIRED],
+        corrupt=words[W_CORRUPT],
+        index_evictions=words[W_INDEX_EVICTIONS],
+        consolidations=words[W_CONSOLIDATIONS],
+        lock_recoveries=words[W_LOCK_RECOVERIES],
+        soft_cap=log.cap(),
+        resident_bytes=_resident(fd),
+        released_bytes=words[W_RELEASED],
+        lock_holder_pid=words[W_LOCK_PID],
+    )
+
+
+def _resident(fd: int) -> int:
+    try:
+        return os.fstat(fd).st_blocks * 512
+    except OSError:
+        return 0
 
 
 def _check_key(key: bytes, what: str) -> None:

@@ -69,6 +69,7 @@ class Metrics:
 
     def __init__(self, stores: Callable[[], Mapping[str, Any]] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         r = self.registry
         self.rpc_requests = Counter("tokcache_rpc_requests", "RPCs handled, by method and status code",
                                     ["method", "code"], registry=r)
@@ -110,25 +111,34 @@ class Metrics:
             for result in ("hit", "miss"):
                 self.lookups.labels(layer, result)
 
+    def _child(self, metric: Any, *labels: str) -> Any:
+        # labels() costs a few µs (validation + lock); children are cached per label tuple.
+        key = (id(metric), labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
     def observe_rpc(self, method: str, code: str, seconds: float) -> None:
-        self.rpc_requests.labels(method, code).inc()
-        self.rpc_duration.labels(method, code).observe(seconds)
+        self._child(self.rpc_requests, method, code).inc()
+        self._child(self.rpc_duration, method, code).observe(seconds)
 
     def observe_decision(self, model: str, d: Any) -> None:
         """Count one Tokenize's decision (a sidecar.engine.model.Decision)."""
-        self.decisions.labels(model, d.source).inc()
+        child = self._child
+        child(self.decisions, model, d.source).inc()
         for layer, hit in (("l0", d.l0_hit), ("l1", d.l1_hit), ("ar_prefix", d.ar_prefix_hit)):
             if hit is not None:
-                self.lookups.labels(layer, "hit" if hit else "miss").inc()
+                child(self.lookups, layer, "hit" if hit else "miss").inc()
         if d.segment_splices:
-            self.lookups.labels("ar_segment", "hit").inc()
-        self.reused_tokens.labels(model).inc(d.cached_tokens)
-        self.reused_bytes.labels(model).inc(d.cached_bytes)
-        self.encoded_bytes.labels(model).inc(d.encoded_bytes)
+            child(self.lookups, "ar_segment", "hit").inc()
+        child(self.reused_tokens, model).inc(d.cached_tokens)
+        child(self.reused_bytes, model).inc(d.cached_bytes)
+        child(self.encoded_bytes, model).inc(d.encoded_bytes)
         if d.ar_spliced_tokens:
-            self.ar_spliced.labels(model).inc(d.ar_spliced_tokens)
+            child(self.ar_spliced, model).inc(d.ar_spliced_tokens)
         if d.store_errors:
-            self.store_fallbacks.labels(model).inc()
+            child(self.store_fallbacks, model).inc()
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> None:
         """Expose /metrics on ``addr:port`` from a daemon thread."""

@@ -101,6 +101,12 @@ def child_read(prefix: str, size: int, keys: list[bytes]) -> list[bytes | None]:
         return [store.get(k) for k in keys]
 
 
+def child_read_only(prefix: str, keys: list[bytes]) -> list[bytes | None]:
+    """Map the segment read-only and read ``keys`` (run in a pool of one)."""
+    with Store.attach_readonly(prefix=prefix, fingerprint=FINGERPRINT) as reader:
+        return [reader.get(k) for k in keys]
+
+
 def child_write(prefix: str, size: int, writer: int, n_conv: int, turns: int, shared: int) -> None:
     """Write this writer's own conversations, interleaved with puts of shared keys."""
     with Store.open(prefix=prefix, fingerprint=FINGERPRINT, size=size) as store:
