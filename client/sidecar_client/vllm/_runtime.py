@@ -1,0 +1,146 @@
+"""The plugin's per-process state, between vLLM's hooks and the sidecar link.
+
+One :class:`PluginRuntime` per frontend process (vLLM may build several
+renderers; they share it). It owns the link, the record queue, the map of
+served prompts and the counters. Its methods take plain values, so the logic
+is testable without vLLM; ``_renderer.py`` adapts vLLM's objects to them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sidecar_client.vllm._config import PluginConfig
+from sidecar_client.vllm._link import SidecarLink
+from sidecar_client.vllm._outputs import (
+    ChoiceAssembler,
+    CompletionLike,
+    ServedPrompts,
+    held_back_tokens,
+    skip_reason,
+)
+from sidecar_client.vllm._recorder import PendingRecord, RecordQueue
+from sidecar_client.vllm._stats import PluginStats
+from sidecar_client.vllm._trace import trace_metadata
+
+__all__ = ["PluginRuntime", "RequestRecorder"]
+
+log = logging.getLogger("vllm.tokcache.runtime")
+
+
+class PluginRuntime:
+    """Sidecar tokenization and output recording for one process. Event loop only."""
+
+    def __init__(self, config: PluginConfig, fingerprint: str | None, *, tokenizer_file: Path | None = None,
+                 decode: Callable[[list[int]], str] | None = None, stats: PluginStats | None = None) -> None:
+        """``decode(ids)`` is vLLM's tokenizer's decode without skipping special tokens."""
+        self.config = config
+        self.decode = decode
+        self.stats = stats or PluginStats()
+        self.link = SidecarLink(config, fingerprint, self.stats,
+                                tokenizer_file=str(tokenizer_file) if tokenizer_file else "")
+        self.served = ServedPrompts()
+        self.recorder = RecordQueue(config.record_queue, self.link.record, self.stats)
+
+    def fallback(self, reason: str) -> None:
+        """Count a prompt vLLM tokenizes itself."""
+        self.stats.fallbacks[reason] += 1
+
+    async def tokenize(self, text: str, *, add_special_tokens: bool, cache_salt: str | None,
+                       trace: Sequence[tuple[str, str]] = (), max_length: int | None = None) -> list[int] | None:
+        """The sidecar's ids for ``text``, or None (counted) to use vLLM's tokenizer. Never raises.
+
+        ``max_length``: vLLM's tokenizer would truncate beyond it; such prompts
+        are left to vLLM (which truncates or rejects them). If the previous
+        turn's record is still queued, waits for it first (at most ``timeout_s``).
+        """
+        if self.recorder.related(text, cache_salt):  # the previous turn's record is still on its way
+            self.stats.record_waits += 1
+            await self.recorder.wait_related(text, cache_salt, self.config.timeout_s)
+        outcome = await self.link.tokenize(text, add_special_tokens=add_special_tokens, cache_salt=cache_salt,
+                                           trace=trace)
+        if isinstance(outcome, str):
+            self.fallback(outcome)
+            return None
+        if max_length is not None and len(outcome.token_ids) > max_length:
+            self.fallback("too_long")
+            return None
+        self.stats.tokenize[outcome.source] += 1
+        self.stats.cached_tokens += outcome.cached_tokens
+        self.stats.ar_spliced_tokens += outcome.ar_spliced_tokens
+        self.served.add(cache_salt, text, outcome.token_ids, model=outcome.model,
+                        add_special_tokens=add_special_tokens)
+        return outcome.token_ids
+
+    def start_request(self, prompt: Any, *, delta: bool,
+                      trace_headers: Mapping[str, str] | None) -> RequestRecorder | None:
+        """A recorder for a request whose prompt the sidecar tokenized, else None (counted).
+
+        ``prompt`` is what ``AsyncLLM.generate`` received: a token-input dict
+        with ``prompt`` (text), ``prompt_token_ids`` and maybe ``cache_salt``.
+        """
+        if not isinstance(prompt, Mapping):
+            return None  # streaming-input sessions, EngineCoreRequest: nothing to record
+        text, ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
+        if not isinstance(text, str) or not isinstance(ids, list) or prompt.get("type", "token") != "token":
+            self.stats.record_skips["not_text"] += 1
+            return None
+        salt = prompt.get("cache_salt")
+        served = self.served.take(salt, text, ids)
+        if served is None:
+            self.stats.record_skips["not_served"] += 1
+            return None
+        return RequestRecorder(self, model=served.model, prompt_text=text, prompt_token_ids=ids,
+                               add_special_tokens=served.add_special_tokens, cache_salt=salt, delta=delta,
+                               trace=trace_metadata(trace_headers))
+
+
+@dataclass
+class RequestRecorder:
+    """Collects one request's outputs (per choice) and queues a record per finished choice."""
+
+    runtime: PluginRuntime
+    model: str
+    prompt_text: str
+    prompt_token_ids: list[int]
+    add_special_tokens: bool
+    cache_salt: str | None
+    delta: bool
+    trace: tuple[tuple[str, str], ...]
+
+    def __post_init__(self) -> None:
+        self._assembler = ChoiceAssembler(delta=self.delta)
+
+    def feed(self, outputs: Sequence[CompletionLike]) -> None:
+        """Take one ``RequestOutput.outputs``. Never raises."""
+        try:
+            finished = self._assembler.feed(outputs)
+        except Exception:
+            log.exception("tokcache: could not read vLLM's outputs; not recording this request")
+            self._assembler = ChoiceAssembler(delta=self.delta)
+            return
+        stats = self.runtime.stats
+        for choice in finished:
+            reason = skip_reason(choice)
+            if reason is not None:
+                stats.record_skips[reason] += 1
+                continue
+            ids = choice.token_ids
+            decode = self.runtime.decode
+            if decode is not None:
+                try:
+                    held = held_back_tokens(ids, choice.text, decode)
+                except Exception:
+                    held = 0
+                if held:
+                    ids = ids[:-held]
+                    stats.records["trimmed"] += 1
+            record = {"prompt_text": self.prompt_text, "prompt_token_ids": self.prompt_token_ids,
+                      "output_text": choice.text, "output_token_ids": ids,
+                      "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason,
+                      "cache_salt": self.cache_salt, "prompt_add_special_tokens": self.add_special_tokens}
+            self.runtime.recorder.offer(PendingRecord(self.model, record, self.trace))

@@ -1,0 +1,159 @@
+"""Session fixtures: the tiny model, two sidecars, three vLLM servers started in parallel.
+
+- ``sidecar``: serves the model's own tokenizer (Qwen3) as ``qwen3``.
+- ``wrong_sidecar``: serves the Llama 3.2 tokenizer under the same name ``qwen3``.
+- ``baseline``: vLLM without the plugin (``--tokenizer-mode auto``).
+- ``plugin``: ``--tokenizer-mode tokcache`` against ``sidecar``.
+- ``mismatch``: ``--tokenizer-mode tokcache`` against ``wrong_sidecar`` (``TOKCACHE_MODEL=qwen3``).
+
+The vLLM servers are launched together at the start of the session (startup
+dominates the run time); every process is stopped at the end, whatever happens.
+Tables and counters the tests produce are printed in pytest's terminal summary.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from e2e.tests.harness import ROOT, Sidecar, VllmServer
+
+REPORT: list[str] = []
+
+# The plugin's knobs in these runs: a generous deadline (2 CPUs shared by three vLLM
+# servers and two sidecars) and a short breaker reset so recovery is quick to observe.
+PLUGIN_ENV = {"TOKCACHE_TIMEOUT_MS": "1000", "TOKCACHE_BREAKER_FAILURES": "3", "TOKCACHE_BREAKER_RESET_S": "1"}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # `timeout` (or CI) stops the run with SIGTERM: turn it into KeyboardInterrupt so the
+    # session fixtures still stop the servers (they run in their own sessions, not ours).
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, interrupt)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if REPORT:
+        terminalreporter.section("tokcache e2e report")
+        for block in REPORT:
+            terminalreporter.write_line(block)
+            terminalreporter.write_line("")
+
+
+@pytest.fixture(scope="session")
+def report(workdir: Path) -> Callable[[str], None]:
+    """Add a block of text to the end-of-run report (also written to <workdir>/report.txt)."""
+
+    def add(text: str) -> None:
+        REPORT.append(text)
+        with (workdir / "report.txt").open("a") as f:
+            f.write(text + "\n\n")
+
+    return add
+
+
+@pytest.fixture(scope="session")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = os.environ.get("TOKCACHE_E2E_OUT")
+    path = Path(out) if out else tmp_path_factory.mktemp("tokcache-e2e")
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "report.txt").unlink(missing_ok=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def model_dir(workdir: Path) -> Path:
+    out = workdir / "tiny-qwen3"
+    subprocess.run([sys.executable, str(ROOT / "e2e" / "make_tiny_model.py"), str(out)], check=True,
+                   capture_output=True, timeout=120)
+    return out
+
+
+@pytest.fixture(scope="session")
+def decode(model_dir: Path) -> Callable[[list[int]], str]:
+    """The model's tokenizer's decode (special tokens kept), as the sidecar verifies with."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    return lambda ids: str(tok.decode(ids, skip_special_tokens=False))
+
+
+@pytest.fixture(scope="session")
+def shm_prefix() -> Iterator[str]:
+    prefix = f"tke2e{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    yield prefix
+    for entry in [*Path("/dev/shm").glob(f"{prefix}*"), *Path("/dev/shm").glob(f"sem.{prefix}*")]:
+        entry.unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="session")
+def llama_dir() -> Path:
+    from sidecar.bundled import llama32_dir
+
+    return llama32_dir()
+
+
+@pytest.fixture(scope="session")
+def stack(workdir: Path, model_dir: Path, shm_prefix: str, llama_dir: Path) -> Iterator[dict[str, object]]:
+    """Start both sidecars, then launch the three vLLM servers at once; stop everything after."""
+    procs: dict[str, object] = {}
+    try:
+        # Console span exporter: the trace test finds the sidecar's spans in its log.
+        procs["sidecar"] = Sidecar(workdir, "sidecar", {"qwen3": model_dir}, shm_prefix + "-a",
+                                   env={"OTEL_TRACES_EXPORTER": "console", "OTEL_BSP_SCHEDULE_DELAY": "100"}).start()
+        procs["wrong_sidecar"] = Sidecar(workdir, "wrong-sidecar", {"qwen3": llama_dir}, shm_prefix + "-b").start()
+        sidecar, wrong = procs["sidecar"], procs["wrong_sidecar"]
+        assert isinstance(sidecar, Sidecar) and isinstance(wrong, Sidecar)
+        procs["baseline"] = VllmServer(workdir, "baseline", model_dir).launch()
+        procs["plugin"] = VllmServer(workdir, "plugin", model_dir, ["--tokenizer-mode", "tokcache"],
+                                     env={**PLUGIN_ENV, "TOKCACHE_ADDRESS": sidecar.address}).launch()
+        procs["mismatch"] = VllmServer(workdir, "mismatch", model_dir, ["--tokenizer-mode", "tokcache"],
+                                       env={**PLUGIN_ENV, "TOKCACHE_ADDRESS": wrong.address,
+                                            "TOKCACHE_MODEL": "qwen3"}).launch()
+        yield procs
+    finally:
+        for name in ("baseline", "plugin", "mismatch", "sidecar", "wrong_sidecar"):
+            proc = procs.get(name)
+            if proc is not None:
+                proc.stop()  # type: ignore[attr-defined]
+
+
+def _server(stack: dict[str, object], name: str, report: Callable[[str], None]) -> VllmServer:
+    server = stack[name]
+    assert isinstance(server, VllmServer)
+    first = server.ready_s is None
+    server.wait_ready()
+    if first:
+        report(f"vLLM '{name}' ready in {server.ready_s:.1f}s (log {server.log_path})")
+    return server
+
+
+@pytest.fixture(scope="session")
+def sidecar(stack: dict[str, object]) -> Sidecar:
+    s = stack["sidecar"]
+    assert isinstance(s, Sidecar)
+    return s
+
+
+@pytest.fixture(scope="session")
+def baseline(stack: dict[str, object], report: Callable[[str], None]) -> VllmServer:
+    return _server(stack, "baseline", report)
+
+
+@pytest.fixture(scope="session")
+def plugin(stack: dict[str, object], report: Callable[[str], None]) -> VllmServer:
+    return _server(stack, "plugin", report)
+
+
+@pytest.fixture(scope="session")
+def mismatch(stack: dict[str, object], report: Callable[[str], None]) -> VllmServer:
+    return _server(stack, "mismatch", report)
