@@ -42,6 +42,17 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--metrics-port", help=f"Prometheus /metrics port, 0 = off (env {ENV['metrics_port']})")
     p.add_argument("--metrics-addr", help=f"address the metrics port binds (env {ENV['metrics_addr']})")
     p.add_argument("--log-format", choices=("json", "text"), help=f"log lines (env {ENV['log_format']})")
+    p.add_argument("--workers", help=f"server processes sharing the segment and a HOST:PORT (env {ENV['workers']})")
+    p.add_argument("--pressure-interval", help=f"seconds between memory-pressure checks, 0 = off "
+                                               f"(env {ENV['pressure_interval']})")
+    p.add_argument("--pressure-low-watermark", help=f"share of the cache kept under memory pressure, e.g. 0.25 "
+                                                    f"(env {ENV['pressure_low_watermark']})")
+    p.add_argument("--pressure-cgroup-ratio", help=f"cgroup working set / memory.max that means pressure "
+                                                   f"(env {ENV['pressure_cgroup_ratio']})")
+    p.add_argument("--pressure-psi-avg10", help=f"memory PSI 'some avg10' %% that means pressure "
+                                                f"(env {ENV['pressure_psi_avg10']})")
+    p.add_argument("--pressure-min-available", help=f"MemAvailable / MemTotal below which is pressure "
+                                                    f"(env {ENV['pressure_min_available']})")
 
 
 def _health_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -69,6 +80,10 @@ def _serve(ns: argparse.Namespace) -> int:
     from sidecar.telemetry.logs import setup_logging
 
     setup_logging(config.log_level, config.log_format)
+    if config.workers > 1:
+        from sidecar.workers import supervise
+
+        return supervise(config)
     from sidecar.server import run  # grpc import only when serving
 
     run(config)

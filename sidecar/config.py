@@ -51,6 +51,12 @@ ENV = {
     "metrics_port": "TOKCACHE_METRICS_PORT",
     "metrics_addr": "TOKCACHE_METRICS_ADDR",
     "log_format": "TOKCACHE_LOG_FORMAT",
+    "workers": "TOKCACHE_WORKERS",
+    "pressure_interval": "TOKCACHE_PRESSURE_INTERVAL",
+    "pressure_low_watermark": "TOKCACHE_PRESSURE_LOW_WATERMARK",
+    "pressure_cgroup_ratio": "TOKCACHE_PRESSURE_CGROUP_RATIO",
+    "pressure_psi_avg10": "TOKCACHE_PRESSURE_PSI_AVG10",
+    "pressure_min_available": "TOKCACHE_PRESSURE_MIN_AVAILABLE",
 }
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$")
@@ -114,6 +120,15 @@ class Config:
     metrics_port: int = 0
     metrics_addr: str = "0.0.0.0"
     log_format: str = "json"
+    # --workers N: N server processes on one segment sharing a TCP port (SO_REUSEPORT).
+    workers: int = 1
+    # Memory pressure (sidecar.pressure): seconds between checks (0 = off), the share of
+    # the arena kept under pressure, and the thresholds that mean pressure.
+    pressure_interval: float = 1.0
+    pressure_low_watermark: float = 0.25
+    pressure_cgroup_ratio: float = 0.90
+    pressure_psi_avg10: float = 10.0
+    pressure_min_available: float = 0.05
     config_file: Path | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -143,10 +158,25 @@ class Config:
             raise ConfigError(f"log_format: {self.log_format!r} is not json or text")
         if not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"metrics_port: {self.metrics_port} is not a port (0 = off)")
+        if not 1 <= self.workers <= 256:
+            raise ConfigError(f"workers: {self.workers} is not in [1, 256]")
+        if self.workers > 1 and self.listen.startswith("unix://"):
+            raise ConfigError("workers: several server processes share a HOST:PORT listen address "
+                              "(SO_REUSEPORT), not a unix socket; give --listen 127.0.0.1:PORT")
+        if self.pressure_interval < 0:
+            raise ConfigError("pressure_interval: must be >= 0 (0 = off)")
+        for name in ("pressure_low_watermark", "pressure_cgroup_ratio"):
+            if not 0.1 < getattr(self, name) <= 1:
+                raise ConfigError(f"{name}: must be a fraction in (0.1, 1]")
+        if not 0 < self.pressure_psi_avg10 <= 100:
+            raise ConfigError("pressure_psi_avg10: must be a percentage in (0, 100]")
+        if not 0 <= self.pressure_min_available < 0.5:
+            raise ConfigError("pressure_min_available: must be a fraction in [0, 0.5)")
 
 
-_INT_FIELDS = {"max_text_bytes", "max_messages", "max_request_bytes", "metrics_port"}
-_FLOAT_FIELDS = {"ttl_l0", "ttl_l1", "ttl_ar", "grace_seconds"}
+_INT_FIELDS = {"max_text_bytes", "max_messages", "max_request_bytes", "metrics_port", "workers"}
+_FLOAT_FIELDS = {"ttl_l0", "ttl_l1", "ttl_ar", "grace_seconds", "pressure_interval", "pressure_low_watermark",
+                 "pressure_cgroup_ratio", "pressure_psi_avg10", "pressure_min_available"}
 
 
 def _coerce(name: str, value: Any, source: str) -> Any:

@@ -13,6 +13,7 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -20,6 +21,7 @@ from grpc_reflection.v1alpha import reflection
 
 from sidecar.config import Config
 from sidecar.engine.model import Limits, ModelEngine, fingerprint_of
+from sidecar.pressure import PressureMonitor, PressurePolicy
 from sidecar.service import TokenizerService
 from sidecar.store import Kind, Store
 from sidecar.telemetry import Metrics, Tracing
@@ -34,6 +36,47 @@ __all__ = ["Sidecar", "run"]
 _DRAIN_QUIET_S = 0.3
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Tokenizer"].full_name
+
+
+class _DecodeGuard(grpc.aio.ServerInterceptor):
+    """Answers bytes that are not a valid message of the method's request type (corrupt
+    wire format, invalid UTF-8 in a string field) with INVALID_ARGUMENT. Left to grpc.aio,
+    they get UNKNOWN and an ERROR traceback in the log per request."""
+
+    async def intercept_service(self, continuation: Any, details: Any) -> Any:
+        handler = await continuation(details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        parse, method = handler.request_deserializer, details.method
+
+        async def parsed(raw: bytes, context: Any) -> Any:
+            try:
+                return parse(raw)
+            except Exception as exc:  # DecodeError, and whatever else a parser may raise
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"request: not a valid {method} request message ({exc})")
+
+        if handler.unary_unary is not None:
+            unary = handler.unary_unary
+
+            async def guarded_unary(raw: bytes, context: Any) -> Any:
+                return await unary(await parsed(raw, context), context)
+
+            return grpc.unary_unary_rpc_method_handler(
+                guarded_unary, response_serializer=handler.response_serializer)
+        if handler.stream_unary is not None:
+            stream = handler.stream_unary
+
+            async def guarded_stream(raws: Any, context: Any) -> Any:
+                async def requests() -> Any:
+                    async for raw in raws:
+                        yield await parsed(raw, context)
+
+                return await stream(requests(), context)
+
+            return grpc.stream_unary_rpc_method_handler(
+                guarded_stream, response_serializer=handler.response_serializer)
+        return handler
 
 
 def _prepare_unix(address: str) -> None:
@@ -56,11 +99,12 @@ class Sidecar:
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.port: int | None = None
+        self.pressure: PressureMonitor | None = None
 
     async def start(self) -> None:
         """Bind and start serving (NOT_SERVING until :meth:`load` finishes)."""
         cfg = self.config
-        server = grpc.aio.server(options=[
+        server = grpc.aio.server(interceptors=[_DecodeGuard()], options=[
             ("grpc.max_receive_message_length", cfg.max_request_bytes),
             ("grpc.max_send_message_length", cfg.max_request_bytes),
         ])
@@ -102,6 +146,10 @@ class Sidecar:
     async def load(self) -> None:
         """Load every model (in a thread: the health service answers meanwhile), then SERVING."""
         engines = await asyncio.to_thread(self._load_models)
+        if self.config.pressure_interval > 0:  # off in --workers children: the supervisor runs it
+            self.pressure = PressureMonitor(lambda: list(self.stores.values()),
+                                            PressurePolicy.from_config(self.config))
+            self.pressure.start()
         self.service.set_engines(engines)
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log.info("serving %d model(s): %s", len(engines), ", ".join(engines))
@@ -128,6 +176,8 @@ class Sidecar:
         log.info("drained (%d in flight at stop)", self.service.inflight)
         if self.server is not None:
             await self.server.stop(max(0.0, deadline - loop.time()))
+        if self.pressure is not None:
+            self.pressure.stop()
         for store in self.stores.values():
             store.close()
         self.tracing.shutdown()

@@ -70,7 +70,7 @@ def _decision_attrs(engine: ModelEngine, d: Decision, salt: str) -> dict[str, An
     }
 
 
-class TokenizerService(pb_grpc.TokenizerServicer):  # type: ignore[misc]  # generated, untyped
+class TokenizerService(pb_grpc.TokenizerServicer):  # generated base class, untyped
     """Serves ``tokcache.v1.Tokenizer``. ``engines`` is filled once loading is done."""
 
     def __init__(self, default_mode: str = "kv-stable", *, metrics: Metrics | None = None,
@@ -196,6 +196,11 @@ class TokenizerService(pb_grpc.TokenizerServicer):  # type: ignore[misc]  # gene
         try:
             engine = await self._engine(call, request.model, context)
             text = self._render(call, engine, request.chat)
+            try:  # a "\ud800" escape in JSON content renders to a lone surrogate
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise InvalidRequest("chat", f"the rendered prompt is not valid Unicode at index {exc.start} "
+                                             "(a lone surrogate, e.g. from a \\ud800 escape in JSON)") from exc
             call.attrs = {"tokcache.model": engine.name, "tokcache.fingerprint": engine.fingerprint}
             return pb.RenderResponse(prompt_text=text, fingerprint=engine.fingerprint)
         except grpc.aio.AbortError:

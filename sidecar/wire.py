@@ -23,7 +23,7 @@ MODE_FROM_PROTO: dict[int, str] = {
     pb.TOKENIZE_MODE_EXACT: "exact",
 }
 
-_SOURCE_TO_PROTO: dict[str, pb.CacheSource.ValueType] = {
+_SOURCE_TO_PROTO: dict[str, Any] = {
     "miss": pb.CACHE_SOURCE_MISS,
     "l0": pb.CACHE_SOURCE_L0,
     "l1": pb.CACHE_SOURCE_L1,
@@ -31,8 +31,29 @@ _SOURCE_TO_PROTO: dict[str, pb.CacheSource.ValueType] = {
 }
 
 
-def source_to_proto(source: str) -> pb.CacheSource.ValueType:
+def source_to_proto(source: str) -> Any:
     return _SOURCE_TO_PROTO[source]
+
+
+# Deeper JSON than this is refused: templates walk values recursively, and a
+# few hundred levels would exhaust the interpreter's stack mid-render.
+MAX_JSON_DEPTH = 64
+
+
+def _depth_ok(value: Any, limit: int) -> bool:
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        if depth > limit:
+            return False
+        stack.extend((c, depth + 1) for c in children)
+    return True
 
 
 def _json(text: str, field: str, kind: type) -> Any:
@@ -42,6 +63,8 @@ def _json(text: str, field: str, kind: type) -> Any:
         raise InvalidRequest(field, f"invalid JSON: {exc}") from exc
     if not isinstance(value, kind):
         raise InvalidRequest(field, f"expected a JSON {'object' if kind is dict else 'array'}")
+    if not _depth_ok(value, MAX_JSON_DEPTH):
+        raise InvalidRequest(field, f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
     return value
 
 

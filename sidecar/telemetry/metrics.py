@@ -23,7 +23,7 @@ __all__ = ["Metrics"]
 LATENCY_BUCKETS = (5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 # StoreStats field -> eviction cause label.
-_EVICTION_FIELDS = {"evictions": "cap", "expired": "ttl", "index_evictions": "index",
+_EVICTION_FIELDS = {"evictions": "cap", "ttl_evictions": "ttl", "index_evictions": "index",
                     "pressure_evictions": "pressure"}
 
 
@@ -44,6 +44,10 @@ class _StoreCollector(Collector):
                                       labels=["segment", "result"])
         recov = CounterMetricFamily("tokcache_lock_recoveries", "Writer locks taken over from a dead holder",
                                     labels=["segment"])
+        resident = GaugeMetricFamily("tokcache_shm_resident_bytes", "Segment pages resident in tmpfs "
+                                     "(what counts against a pod's memory limit)", labels=["segment"])
+        soft = GaugeMetricFamily("tokcache_shm_soft_cap_bytes", "Live-set cap now in force (lowered under "
+                                 "memory pressure)", labels=["segment"])
         for name, store in self._stores().items():
             try:
                 st = store.stats()
@@ -61,7 +65,11 @@ class _StoreCollector(Collector):
             lookups.add_metric([name, "miss"], st.misses)
             lookups.add_metric([name, "corrupt"], st.corrupt)
             recov.add_metric([name], st.lock_recoveries)
-        yield from (used, cap, entries, evict, lookups, recov)
+            if hasattr(st, "resident_bytes"):
+                resident.add_metric([name], st.resident_bytes)
+            if hasattr(st, "soft_cap"):
+                soft.add_metric([name], st.soft_cap)
+        yield from (used, cap, entries, evict, lookups, recov, resident, soft)
 
 
 class Metrics:
