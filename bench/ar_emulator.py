@@ -37,30 +37,16 @@ import random
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import lru_cache
 from pathlib import Path
 
 from tokenizers import Tokenizer
+
+from sidecar.engine.tokenbytes import bytes_to_unicode
 
 __all__ = ["AREmulator", "Emulated", "bytes_to_unicode"]
 
 DEFAULT_WEIGHTS = {"whitespace": 4.0, "digit": 3.0, "multibyte": 1.0, "word": 1.0, "other": 1.0}
 RECUT_SHARE = 0.2  # share of rewrites attempted as a re-cut with the next token
-
-
-@lru_cache(maxsize=1)
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable unicode character table."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
-        + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, (chr(c) for c in cs), strict=True))
 
 
 @dataclass(frozen=True)

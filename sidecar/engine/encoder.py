@@ -19,7 +19,7 @@ from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import tokenizers
 
@@ -54,13 +54,14 @@ class Encoder(Protocol):
         ...
 
 
-class TokenizersEncoder:
-    """The reference: HF ``tokenizers``."""
+class _HfStyleEncoder:
+    """Shared by both backends: same Tokenizer-like API (``encode(text, add_special_tokens)``)."""
 
-    name = "tokenizers"
+    name = ""
+    tokenizer: Any
 
-    def __init__(self, path: Path) -> None:
-        self.tokenizer = tokenizers.Tokenizer.from_file(str(path))
+    def _setup(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
         # The sidecar serves whole prompts; truncation/padding from the file
         # would silently change ids, so they are switched off (vLLM does too).
         self.tokenizer.no_truncation()
@@ -72,6 +73,15 @@ class TokenizersEncoder:
     def encode_full(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=True).ids)
 
+
+class TokenizersEncoder(_HfStyleEncoder):
+    """The reference: HF ``tokenizers``."""
+
+    name = "tokenizers"
+
+    def __init__(self, path: Path) -> None:
+        self._setup(tokenizers.Tokenizer.from_file(str(path)))
+
     def encode_segments(self, texts: Sequence[str]) -> tuple[bytes, list[int]]:
         out = array("I")
         ends: list[int] = []
@@ -81,7 +91,7 @@ class TokenizersEncoder:
         return _le(out), ends
 
 
-class FastokensEncoder:
+class FastokensEncoder(_HfStyleEncoder):
     """``fastokens`` (Rust BPE with PCRE2), about 100x faster than the reference here."""
 
     name = "fastokens"
@@ -89,15 +99,7 @@ class FastokensEncoder:
     def __init__(self, path: Path) -> None:
         import fastokens  # optional at import time: only needed when chosen
 
-        self.tokenizer = fastokens.Tokenizer.from_file(str(path))
-        self.tokenizer.no_truncation()
-        self.tokenizer.no_padding()
-
-    def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
-
-    def encode_full(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=True).ids)
+        self._setup(fastokens.Tokenizer.from_file(str(path)))
 
     def encode_segments(self, texts: Sequence[str]) -> tuple[bytes, list[int]]:
         # One native call, ids already packed as LE uint32: no Python ints.

@@ -12,15 +12,17 @@ concatenation. Other tokenizers get no table, and only whole-output keys.
 from __future__ import annotations
 
 import json
+from functools import lru_cache
 from itertools import accumulate
 from pathlib import Path
 
-__all__ = ["TokenBytes"]
+__all__ = ["TokenBytes", "bytes_to_unicode"]
 
 
-def _unicode_to_byte() -> dict[str, int]:
-    # GPT-2's bytes_to_unicode, inverted: printable bytes map to themselves,
-    # the rest to code points from 256 upwards, in byte order.
+@lru_cache(maxsize=1)
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table: printable bytes map to themselves,
+    the rest to code points from 256 upwards, in byte order."""
     keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
     codes = keep[:]
     n = 0
@@ -29,7 +31,11 @@ def _unicode_to_byte() -> dict[str, int]:
             keep.append(b)
             codes.append(256 + n)
             n += 1
-    return {chr(c): b for b, c in zip(keep, codes, strict=True)}
+    return {b: chr(c) for b, c in zip(keep, codes, strict=True)}
+
+
+def _unicode_to_byte() -> dict[str, int]:
+    return {c: b for b, c in bytes_to_unicode().items()}
 
 
 class TokenBytes:

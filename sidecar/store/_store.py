@@ -266,32 +266,8 @@ class Store:
 
     # --- reads --------------------------------------------------------------------------
 
-    def contains(self, key: bytes) -> bool:
-        """Whether ``key`` has a live, unexpired index slot — without reading its chain.
-
-        A cheap probe for searching many candidate keys (the engine's longest-prefix
-        search); a True may still be a miss for :meth:`get` (a chain link evicted or
-        corrupt), never the reverse. Lock-free; counts nothing.
-        """
-        if self._mm is None:
-            raise StoreClosed(f"{self.name} is closed")
-        if len(key) != KEY_SIZE or key == ZERO_KEY:
-            raise ValueError("key must be 16 bytes, not all zero")
-        soff = self._index.find(key)
-        if soff < 0:
-            return False
-        lsn_kind, expiry, _ = self._index.read(soff)
-        if lsn_kind & ((1 << LSN_BITS) - 1) < self._words[W_TAIL]:
-            return False  # the record fell off the log
-        return not expiry or self._clock() < expiry
-
-    def version(self, key: bytes) -> int | None:
-        """An opaque token that changes whenever ``key``'s mapping does, or None if absent.
-
-        It identifies the record the key's live slot points at (records are immutable
-        and never reuse a position), so a caller that cached ``get(key)`` together with
-        ``version(key)`` may reuse its copy while the version is unchanged. Lock-free.
-        """
+    def _live_slot(self, key: bytes) -> int | None:
+        """``lsn_kind`` of ``key``'s slot if it is unexpired and points into the live log."""
         if self._mm is None:
             raise StoreClosed(f"{self.name} is closed")
         if len(key) != KEY_SIZE or key == ZERO_KEY:
@@ -305,6 +281,24 @@ class Store:
         if lsn_kind & ((1 << LSN_BITS) - 1) < self._words[W_TAIL]:
             return None  # the record fell off the log: the slot is stale
         return int(lsn_kind)
+
+    def contains(self, key: bytes) -> bool:
+        """Whether ``key`` has a live, unexpired index slot — without reading its chain.
+
+        A cheap probe for searching many candidate keys (the engine's longest-prefix
+        search); a True may still be a miss for :meth:`get` (a chain link evicted or
+        corrupt), never the reverse. Lock-free; counts nothing.
+        """
+        return self._live_slot(key) is not None
+
+    def version(self, key: bytes) -> int | None:
+        """An opaque token that changes whenever ``key``'s mapping does, or None if absent.
+
+        It identifies the record the key's live slot points at (records are immutable
+        and never reuse a position), so a caller that cached ``get(key)`` together with
+        ``version(key)`` may reuse its copy while the version is unchanged. Lock-free.
+        """
+        return self._live_slot(key)
 
     def get(self, key: bytes) -> bytes | None:
         """The ids stored for ``key``: the parent chain's ids then this entry's ids.
