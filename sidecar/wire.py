@@ -9,11 +9,10 @@ Here they become the plain dicts the chat template sees, exactly as
 from __future__ import annotations
 
 import json
-import sys
-from array import array
 from typing import Any
 
 from sidecar.engine.errors import InvalidRequest
+from sidecar_client._core import unpack_ids  # the one decoder of the LE uint32 wire format
 from tokcache.v1 import tokenizer_pb2 as pb
 
 __all__ = ["MODE_FROM_PROTO", "chat_from_proto", "source_to_proto", "unpack_ids"]
@@ -132,11 +131,3 @@ def chat_from_proto(chat: pb.ChatInput) -> tuple[list[dict[str, Any]], dict[str,
             chat.chat_template_kwargs_json, "chat.chat_template_kwargs_json", dict)
     return messages, options
 
-
-def unpack_ids(data: bytes) -> list[int]:
-    """Little-endian uint32 bytes → ids (length checked by the caller)."""
-    ids = array("I")
-    ids.frombytes(data)
-    if sys.byteorder != "little":
-        ids.byteswap()
-    return ids.tolist()

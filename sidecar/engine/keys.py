@@ -37,10 +37,6 @@ class KeyStream:
         """Append the next bytes of the text."""
         self._h.update(data)
 
-    def prefix_key(self) -> bytes:
-        """Key of the L1 entry for the text fed so far (a boundary prefix)."""
-        return self._h.digest(KEY_BYTES)
-
     def exact_key(self) -> bytes:
         """Key of the L0 entry for the text fed so far (the whole text)."""
         h = self._h.copy()

@@ -343,7 +343,8 @@ class ModelEngine:
                         splices[n] = (p, hit)
                         break
         if not splices:
-            return self.encoder.encode_segments([(b + t).decode("utf-8") for b, t in pieces]) + (0,)
+            flat, ends = self.encoder.encode_segments([(b + t).decode("utf-8") for b, t in pieces])
+            return flat, ends, 0
         # Spliced pieces are encoded as two texts (header, token) around the recorded ids.
         texts: list[str] = []
         for n, (body, token) in enumerate(pieces):
@@ -506,5 +507,4 @@ class ModelEngine:
             "boundary_tokens": len(self.boundary_check.boundary_tokens),
             "l1_disabled_reason": self.boundary_check.disabled_reason,
             "has_chat_template": self.renderer is not None,
-            "loaded_at": time.time(),
         }
