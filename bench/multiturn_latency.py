@@ -8,7 +8,8 @@ text at the last turn) and, turn by turn, has every contender tokenize the same 
 - ``fastokens``       in-process ``fastokens`` (no cache)
 - ``fastokens+seg``   in-process ``fastokens`` with its segment cache
 - ``smg``             SMG 1.13's ``/v1/tokenize`` with its L0+L1 cache, HTTP keep-alive
-- ``tokcache``        the tokcache sidecar over gRPC on a unix socket (``SidecarClient``)
+- ``tokcache``        the tokcache sidecar over gRPC on a unix socket (``SidecarClient``: its
+                      ``TokenizeStream``; ``--unary`` for the unary ``Tokenize`` RPC)
 - ``*-floor``         a trivial request to each server: what the transport alone costs
 
 The contender order rotates every turn so none is always first or last. Every contender's ids
@@ -128,6 +129,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true", help="1 conversation, first 10 turns (for tests)")
     ap.add_argument("--no-smg", action="store_true", help="skip SMG")
     ap.add_argument("--no-tokcache", action="store_true", help="skip the tokcache sidecar (harness debugging)")
+    ap.add_argument("--unary", action="store_true",
+                    help="tokcache over the unary Tokenize RPC instead of the client's default TokenizeStream")
     ap.add_argument("--out-dir", type=Path, default=HERE / "out")
     args = ap.parse_args(argv)
     if args.quick:
@@ -154,7 +157,7 @@ def build_contenders(
         smg = SmgContender(tok_dir, args.out_dir)
         entries += [Entry(smg), Entry(SmgFloor(smg))]
     if not args.no_tokcache:
-        tc = TokcacheContender(tok_dir, args.out_dir, add)
+        tc = TokcacheContender(tok_dir, args.out_dir, add, stream=not args.unary)
         entries += [Entry(tc), Entry(TokcacheFloor(tc))]
     return entries, tc, smg
 

@@ -23,7 +23,7 @@ from sidecar.config import Config
 from sidecar.engine.model import Limits, ModelEngine, fingerprint_of
 from sidecar.pressure import PressureMonitor, PressurePolicy
 from sidecar.service import TokenizerService
-from sidecar.store import Kind, Store
+from sidecar.store import Kind, Store, id_bytes_for
 from sidecar.telemetry import Metrics, Tracing
 from tokcache.v1 import tokenizer_pb2 as pb
 from tokcache.v1 import tokenizer_pb2_grpc as pb_grpc
@@ -76,6 +76,18 @@ class _DecodeGuard(grpc.aio.ServerInterceptor):
 
             return grpc.stream_unary_rpc_method_handler(
                 guarded_stream, response_serializer=handler.response_serializer)
+        if handler.stream_stream is not None:
+            streams = handler.stream_stream
+
+            async def guarded_streams(raws: Any, context: Any) -> Any:
+                async def requests() -> Any:
+                    async for raw in raws:
+                        yield await parsed(raw, context)
+
+                return await streams(requests(), context)
+
+            return grpc.stream_stream_rpc_method_handler(
+                guarded_streams, response_serializer=handler.response_serializer)
         return handler
 
 
@@ -133,14 +145,17 @@ class Sidecar:
         engines: dict[str, ModelEngine] = {}
         for spec in cfg.models:
             fp = fingerprint_of(spec.path / "tokenizer.json")
+            # The engine first: its vocabulary decides the id width of a segment we create.
+            engine = ModelEngine(spec.name, spec.path, store=None, limits=limits, backends=cfg.backends)
             store = self.stores.get(fp)
             if store is None:
-                store = Store.open(prefix=cfg.shm_prefix, fingerprint=fp, size=cfg.shm_size, ttl=ttl)
+                store = Store.open(prefix=cfg.shm_prefix, fingerprint=fp, size=cfg.shm_size, ttl=ttl,
+                                   id_bytes=id_bytes_for(engine.vocab_size))
                 self.stores[fp] = store
-                log.info("shm segment %s (%d bytes): %s", store.name, store.size,
+                log.info("shm segment %s (%d bytes, %d-byte ids): %s", store.name, store.size, store.id_bytes,
                          "re-attached warm" if store.attached_existing else "created")
-            engines[spec.name] = ModelEngine(spec.name, spec.path, store=store, limits=limits,
-                                             backends=cfg.backends)
+            engine.store = store
+            engines[spec.name] = engine
         return engines
 
     async def load(self) -> None:
@@ -168,6 +183,9 @@ class Sidecar:
         deadline = loop.time() + grace
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         self.service.draining = True
+        ended = self.service.end_streams()
+        if ended:
+            log.info("ended %d idle TokenizeStream(s)", ended)
         while loop.time() < deadline:
             quiet = time.monotonic() - self.service.last_rpc > _DRAIN_QUIET_S
             if self.service.inflight == 0 and quiet:

@@ -20,6 +20,7 @@ text or the salt itself — and child spans for render/lookup/encode/insert.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Mapping
@@ -29,7 +30,7 @@ from typing import Any, NoReturn
 import grpc
 
 from sidecar.engine.errors import EngineError, InvalidRequest, RequestTooLarge, UnknownModel
-from sidecar.engine.model import Decision, ModelEngine
+from sidecar.engine.model import Decision, ModelEngine, Outcome
 from sidecar.telemetry import Metrics, Tracing
 from sidecar.wire import MODE_FROM_PROTO, chat_from_proto, source_to_proto, unpack_ids
 from tokcache.v1 import tokenizer_pb2 as pb
@@ -40,6 +41,15 @@ log = logging.getLogger(__name__)
 Context = grpc.aio.ServicerContext[Any, Any]
 
 __all__ = ["TokenizerService"]
+
+
+class _Unavailable(Exception):
+    """The sidecar cannot take requests now (loading, draining): UNAVAILABLE, retryable."""
+
+
+def _trace_metadata(msg: pb.TokenizeStreamRequest) -> tuple[tuple[str, str], ...]:
+    """A stream request's own trace context, shaped like call metadata (empty if it has none)."""
+    return tuple((k, v) for k, v in (("traceparent", msg.traceparent), ("tracestate", msg.tracestate)) if v)
 
 
 @dataclass
@@ -53,6 +63,9 @@ class _Call:
     error: str | None = None
     attrs: dict[str, Any] = field(default_factory=dict)
     phases: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # A Tokenize whose cache entries are written after the response went out.
+    engine: ModelEngine | None = None
+    outcome: Outcome | None = None
 
 
 def _decision_attrs(engine: ModelEngine, d: Decision, salt: str) -> dict[str, Any]:
@@ -85,6 +98,17 @@ class TokenizerService(pb_grpc.TokenizerServicer):  # generated base class, unty
         self.draining = False
         self.inflight = 0
         self.last_rpc = time.monotonic()
+        # Open TokenizeStream handlers waiting for their next request (ended on drain).
+        self._idle_streams: set[asyncio.Task[Any]] = set()
+
+    def end_streams(self) -> int:
+        """End the streams that wait for a request (call once draining): their clients
+        see the stream end and fall back to unary calls, which the drain answers. Streams
+        busy with a request end after their reply. Returns how many were ended."""
+        idle = list(self._idle_streams)
+        for task in idle:
+            task.cancel()
+        return len(idle)
 
     def set_engines(self, engines: Mapping[str, ModelEngine]) -> None:
         """Publish the loaded models (called once, on the event loop)."""
@@ -104,13 +128,38 @@ class TokenizerService(pb_grpc.TokenizerServicer):  # generated base class, unty
     def _finish(self, call: _Call, context: Context) -> None:
         self.inflight -= 1
         seconds = (time.perf_counter_ns() - call.start_pc) / 1e9
+        metadata = context.invocation_metadata() if self.tracing.enabled else None
+        if call.outcome is not None and call.code == "OK":
+            # Write-behind: the store write runs once the handler has returned and
+            # gRPC is sending the response, so the caller does not wait for it.
+            asyncio.get_running_loop().call_soon(self._after_response, call, seconds, metadata)
+        else:
+            self._observe(call, seconds, metadata)
+
+    def _after_response(self, call: _Call, seconds: float, metadata: Any) -> None:
+        """Store a Tokenize's new entries, then count and trace it (decision complete)."""
+        assert call.outcome is not None and call.engine is not None
+        try:
+            call.outcome.commit()
+        except Exception:  # never raised by design (store errors degrade); a bug must not kill the loop
+            log.exception("storing the entries of a Tokenize failed")
+        d = call.outcome.decision
+        self.metrics.observe_decision(call.engine.name, d)
+        call.phases.update(d.timings)
+        self._observe(call, seconds, metadata)
+
+    def _observe(self, call: _Call, seconds: float, metadata: Any) -> None:
         self.metrics.observe_rpc(call.method, call.code, seconds)
         if self.tracing.enabled:
-            self.tracing.record(call.method, context.invocation_metadata(), call.start_ns, call.start_pc,
+            self.tracing.record(call.method, metadata, call.start_ns, call.start_pc,
                                 call.attrs, call.phases, call.code, call.error)
 
-    async def _abort(self, call: _Call, context: Context, exc: BaseException) -> NoReturn:
-        if isinstance(exc, UnknownModel):
+    @staticmethod
+    def _status(call: _Call, exc: BaseException) -> tuple[grpc.StatusCode, str]:
+        """The status a failed request ends with (logged when it is a bug)."""
+        if isinstance(exc, _Unavailable):
+            code = grpc.StatusCode.UNAVAILABLE
+        elif isinstance(exc, UnknownModel):
             code = grpc.StatusCode.NOT_FOUND
         elif isinstance(exc, InvalidRequest):
             code = grpc.StatusCode.INVALID_ARGUMENT
@@ -119,22 +168,32 @@ class TokenizerService(pb_grpc.TokenizerServicer):  # generated base class, unty
         else:
             log.exception("internal error in %s", call.method, exc_info=exc)
             code = grpc.StatusCode.INTERNAL
-        message = str(exc) if isinstance(exc, EngineError) else f"internal error: {exc!r}"
+        message = str(exc) if isinstance(exc, (EngineError, _Unavailable)) else f"internal error: {exc!r}"
         call.code, call.error = code.name, message
+        return code, message
+
+    async def _abort(self, call: _Call, context: Context, exc: BaseException) -> NoReturn:
+        code, message = self._status(call, exc)
         await context.abort(code, message)
         raise AssertionError("unreachable")  # abort raises
 
-    async def _engine(self, call: _Call, model: str, context: Context) -> ModelEngine:
+    def _ready_engine(self, model: str) -> ModelEngine:
         if not self.ready or self.draining:
-            call.code = "UNAVAILABLE"
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                "sidecar is shutting down" if self.draining else "sidecar is loading tokenizers")
+            raise _Unavailable("sidecar is shutting down" if self.draining else "sidecar is loading tokenizers")
         if not model:
             raise InvalidRequest("model", "is required")
         engine = self.engines.get(model)
         if engine is None:
             raise UnknownModel(model)
         return engine
+
+    async def _engine(self, call: _Call, model: str, context: Context) -> ModelEngine:
+        try:
+            return self._ready_engine(model)
+        except _Unavailable as exc:
+            call.code = "UNAVAILABLE"
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            raise AssertionError("unreachable") from exc
 
     def _render(self, call: _Call, engine: ModelEngine, chat: pb.ChatInput) -> str:
         t0 = time.perf_counter_ns()
@@ -145,51 +204,101 @@ class TokenizerService(pb_grpc.TokenizerServicer):  # generated base class, unty
 
     # -- RPCs ---------------------------------------------------------------
 
+    def _tokenize(self, call: _Call, request: pb.TokenizeRequest) -> pb.TokenizeResponse:
+        """One Tokenize, its store write deferred to ``call.outcome``; raises on bad input."""
+        engine = self._ready_engine(request.model)
+        which = request.WhichOneof("input")
+        if which == "text":
+            text = request.text
+            add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+        elif which == "chat":
+            text = self._render(call, engine, request.chat)
+            add_special = request.add_special_tokens if request.HasField("add_special_tokens") else False
+        else:
+            raise InvalidRequest("input", "one of text or chat is required")
+        if request.mode not in (0, *MODE_FROM_PROTO):
+            raise InvalidRequest("mode", f"unknown mode {request.mode}")
+        mode = MODE_FROM_PROTO.get(request.mode, self.default_mode)
+        out = engine.tokenize(text, add_special_tokens=add_special, salt=request.cache_salt, mode=mode,
+                              defer_store=True)
+        call.engine, call.outcome = engine, out
+        d = out.decision
+        call.attrs = _decision_attrs(engine, d, request.cache_salt)
+        call.attrs["tokcache.num_tokens"] = out.num_tokens
+        call.attrs["tokcache.mode"] = mode
+        return pb.TokenizeResponse(
+            token_ids=out.ids,
+            num_tokens=out.num_tokens,
+            fingerprint=engine.fingerprint,
+            backend=engine.encoder.name,
+            prompt_text=text if (request.return_prompt_text and which == "chat") else "",
+            decision=pb.CacheDecision(
+                source=source_to_proto(d.source),
+                cached_tokens=d.cached_tokens,
+                cached_chars=d.cached_chars,
+                encoded_chars=d.encoded_chars,
+                ar_spliced_tokens=d.ar_spliced_tokens,
+                boundaries=d.boundaries,
+                l1_disabled_reason=d.l1_disabled_reason,
+            ),
+        )
+
     async def Tokenize(self, request: pb.TokenizeRequest, context: Context) -> pb.TokenizeResponse:
         call = self._begin("Tokenize")
         try:
-            engine = await self._engine(call, request.model, context)
-            which = request.WhichOneof("input")
-            if which == "text":
-                text = request.text
-                add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-            elif which == "chat":
-                text = self._render(call, engine, request.chat)
-                add_special = request.add_special_tokens if request.HasField("add_special_tokens") else False
-            else:
-                raise InvalidRequest("input", "one of text or chat is required")
-            if request.mode not in (0, *MODE_FROM_PROTO):
-                raise InvalidRequest("mode", f"unknown mode {request.mode}")
-            mode = MODE_FROM_PROTO.get(request.mode, self.default_mode)
-            out = engine.tokenize(text, add_special_tokens=add_special, salt=request.cache_salt, mode=mode)
-            d = out.decision
-            self.metrics.observe_decision(engine.name, d)
-            call.attrs = _decision_attrs(engine, d, request.cache_salt)
-            call.attrs["tokcache.num_tokens"] = out.num_tokens
-            call.attrs["tokcache.mode"] = mode
-            call.phases.update(d.timings)
-            return pb.TokenizeResponse(
-                token_ids=out.ids,
-                num_tokens=out.num_tokens,
-                fingerprint=engine.fingerprint,
-                backend=engine.encoder.name,
-                prompt_text=text if (request.return_prompt_text and which == "chat") else "",
-                decision=pb.CacheDecision(
-                    source=source_to_proto(d.source),
-                    cached_tokens=d.cached_tokens,
-                    cached_chars=d.cached_chars,
-                    encoded_chars=d.encoded_chars,
-                    ar_spliced_tokens=d.ar_spliced_tokens,
-                    boundaries=d.boundaries,
-                    l1_disabled_reason=d.l1_disabled_reason,
-                ),
-            )
+            return self._tokenize(call, request)
         except grpc.aio.AbortError:
             raise
         except Exception as exc:
             await self._abort(call, context, exc)
         finally:
             self._finish(call, context)
+
+    async def TokenizeStream(self, request_iterator: Any, context: Context) -> None:
+        """Tokenize requests off one stream, one reply each, in order.
+
+        Each request is counted and traced as a Tokenize (span attribute
+        ``tokcache.transport=stream``), under the trace context it carries or
+        else the stream's, and its store write runs once its reply is written. A draining sidecar
+        answers UNAVAILABLE and ends the stream, so the client reconnects.
+        """
+        task = asyncio.current_task()
+        assert task is not None
+        messages = aiter(request_iterator)
+        while not self.draining:
+            self._idle_streams.add(task)
+            try:
+                msg = await anext(messages)
+            except StopAsyncIteration:
+                return
+            except asyncio.CancelledError:
+                if not self.draining:
+                    raise
+                # end_streams() woke us: end the RPC with OK (a cancelled handler would
+                # leave it open, and server.stop would wait out the grace period).
+                task.uncancel()
+                return
+            finally:
+                self._idle_streams.discard(task)
+            call = self._begin("Tokenize")  # one Tokenize to metrics and traces, whatever the transport
+            try:
+                reply = pb.TokenizeStreamResponse(response=self._tokenize(call, msg.request))
+            except Exception as exc:
+                code, message = self._status(call, exc)
+                reply = pb.TokenizeStreamResponse(error=pb.StreamError(code=code.name, message=message))
+            self.inflight -= 1
+            seconds = (time.perf_counter_ns() - call.start_pc) / 1e9
+            metadata = (_trace_metadata(msg) or context.invocation_metadata()) if self.tracing.enabled else None
+            call.attrs["tokcache.transport"] = "stream"
+            try:
+                await context.write(reply)
+            finally:
+                if call.outcome is not None and call.code == "OK":
+                    self._after_response(call, seconds, metadata)
+                else:
+                    self._observe(call, seconds, metadata)
+            if call.code == "UNAVAILABLE":
+                return
 
     async def Render(self, request: pb.RenderRequest, context: Context) -> pb.RenderResponse:
         call = self._begin("Render")

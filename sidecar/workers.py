@@ -194,17 +194,24 @@ class Supervisor:
 
     def _start_monitor(self) -> tuple[PressureMonitor | None, list[Store]]:
         """Open the segments and, if configured, run the pressure monitor on them."""
+        from tokenizers import Tokenizer
+
         from sidecar.engine.model import fingerprint_of
         from sidecar.pressure import PressureMonitor, PressurePolicy
-        from sidecar.store import Kind, Store
+        from sidecar.store import Kind, Store, id_bytes_for
 
         cfg = self.config
         ttl = {Kind.L0: cfg.ttl_l0, Kind.L1: cfg.ttl_l1, Kind.AR: cfg.ttl_ar}
         stores: dict[str, Store] = {}
         for spec in cfg.models:
-            fp = fingerprint_of(spec.path / "tokenizer.json")
+            tokenizer_json = spec.path / "tokenizer.json"
+            fp = fingerprint_of(tokenizer_json)
             if fp not in stores:
-                stores[fp] = Store.open(prefix=cfg.shm_prefix, fingerprint=fp, size=cfg.shm_size, ttl=ttl)
+                # We create the segments before any worker starts, so the id width is ours to pick:
+                # the same vocabulary size the workers' engines compute (ModelEngine.vocab_size).
+                vocab = Tokenizer.from_file(str(tokenizer_json)).get_vocab_size(with_added_tokens=True)
+                stores[fp] = Store.open(prefix=cfg.shm_prefix, fingerprint=fp, size=cfg.shm_size, ttl=ttl,
+                                        id_bytes=id_bytes_for(vocab))
         if cfg.pressure_interval <= 0:
             return None, list(stores.values())
         monitor = PressureMonitor(lambda: list(stores.values()), PressurePolicy.from_config(cfg))

@@ -10,6 +10,7 @@ import grpc
 
 from sidecar_client import _core
 from sidecar_client._models import ModelInfo, RecordResult, RecordSummary, TokenizeResult
+from sidecar_client._tokenize_stream import AsyncTokenizeStream
 from sidecar_client.errors import translate
 from tokcache.v1 import tokenizer_pb2 as pb
 from tokcache.v1 import tokenizer_pb2_grpc as pb_grpc
@@ -21,13 +22,15 @@ class AsyncSidecarClient:
     """Talks to a tokcache sidecar from one event loop (create it inside the loop)."""
 
     def __init__(self, address: str | None = None, *, timeout: float | None = 30.0,
-                 metadata: Sequence[tuple[str, str]] | None = None) -> None:
+                 metadata: Sequence[tuple[str, str]] | None = None, stream: bool = True) -> None:
         self.address = address or _core.default_address()
         self.timeout = timeout
         self._metadata = tuple(metadata or ())
         self._channel = grpc.aio.insecure_channel(_core.channel_target(self.address),
                                                   options=_core.CHANNEL_OPTIONS)
         self._stub = pb_grpc.TokenizerStub(self._channel)
+        self._stream = AsyncTokenizeStream(self._channel, self._metadata)
+        self._stream.enabled = stream
 
     async def tokenize(self, model: str, *, text: str | None = None,
                        messages: Sequence[Mapping[str, Any]] | None = None,
@@ -37,14 +40,16 @@ class AsyncSidecarClient:
                        add_special_tokens: bool | None = None, cache_salt: str | None = None,
                        mode: str | None = None, return_prompt_text: bool = False,
                        timeout: float | None = None) -> TokenizeResult:
-        """See :meth:`SidecarClient.tokenize`."""
+        """See :meth:`SidecarClient.tokenize` (the stream is used when no other task is using it)."""
+        sreq = pb.TokenizeStreamRequest()
         req = _core.build_tokenize(model, text=text, messages=messages, tools=tools,
                                    add_generation_prompt=add_generation_prompt,
                                    continue_final_message=continue_final_message,
                                    chat_template_kwargs=chat_template_kwargs,
                                    add_special_tokens=add_special_tokens, cache_salt=cache_salt, mode=mode,
-                                   return_prompt_text=return_prompt_text)
-        resp = await self._call(self._stub.Tokenize, req, timeout)
+                                   return_prompt_text=return_prompt_text, into=sreq.request)
+        wait = timeout if timeout is not None else self.timeout
+        resp = await self._stream.try_call(sreq, wait, lambda: self._call(self._stub.Tokenize, req, timeout))
         return _core.read_tokenize(resp, return_prompt_text)
 
     async def render(self, model: str, messages: Sequence[Mapping[str, Any]], *,
@@ -101,7 +106,8 @@ class AsyncSidecarClient:
             raise translate(exc) from exc
 
     async def close(self) -> None:
-        """Close the channel; idempotent."""
+        """Close the stream and the channel; idempotent."""
+        self._stream.close()
         await self._channel.close()
 
     async def __aenter__(self) -> AsyncSidecarClient:

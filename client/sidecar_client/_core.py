@@ -133,15 +133,19 @@ def build_tokenize(model: str, *, text: str | None, messages: Sequence[Mapping[s
                    tools: Sequence[Mapping[str, Any]] | None, add_generation_prompt: bool,
                    continue_final_message: bool, chat_template_kwargs: Mapping[str, Any] | None,
                    add_special_tokens: bool | None, cache_salt: str | None, mode: str | None,
-                   return_prompt_text: bool) -> pb.TokenizeRequest:
+                   return_prompt_text: bool, into: pb.TokenizeRequest | None = None) -> pb.TokenizeRequest:
+    """The request message, validated; filled into ``into`` (an empty message) when given."""
     if not isinstance(model, str) or not model:
         raise _bad("model", "is required")
     if (text is None) == (messages is None):
         raise _bad("input", "give exactly one of text or messages")
     if mode not in _MODES:
         raise _bad("mode", f"expected 'kv-stable' or 'exact', got {mode!r}")
-    req = pb.TokenizeRequest(model=model, cache_salt=cache_salt or "", mode=_MODES[mode],
-                             return_prompt_text=return_prompt_text)
+    req = pb.TokenizeRequest() if into is None else into
+    req.model = model
+    req.cache_salt = cache_salt or ""
+    req.mode = _MODES[mode]
+    req.return_prompt_text = return_prompt_text
     if text is not None:
         if not isinstance(text, str):
             raise _bad("text", f"expected str, got {type(text).__name__}")

@@ -23,6 +23,7 @@ __all__ = [
     "SidecarUnavailable",
     "TokcacheError",
     "UnknownModelError",
+    "from_status",
     "translate",
 ]
 
@@ -81,3 +82,10 @@ def translate(exc: grpc.RpcError) -> TokcacheError:
     details = (exc.details() if hasattr(exc, "details") else None) or str(exc)
     cls = _BY_CODE.get(code, SidecarInternalError) if code is not None else SidecarInternalError
     return cls(details, code)
+
+
+def from_status(code_name: str, details: str) -> TokcacheError:
+    """The client error for a status carried in a reply (a stream's error reply)."""
+    code = getattr(grpc.StatusCode, code_name, None)
+    cls = _BY_CODE.get(code, SidecarInternalError) if isinstance(code, grpc.StatusCode) else SidecarInternalError
+    return cls(details, code if isinstance(code, grpc.StatusCode) else None)

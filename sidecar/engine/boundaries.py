@@ -21,6 +21,7 @@ import json
 import logging
 import re
 import threading
+from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -100,6 +101,15 @@ def check_boundaries(tokenizer_json: Path, reference: Encoder) -> BoundaryCheck:
 
 _Trie = dict[int | None, "_Trie"]
 
+
+@dataclass(frozen=True, slots=True)
+class _ScanMemo:
+    """A scanned text: every added-token match (start, end, is_boundary) and the boundary spans."""
+
+    data: bytes
+    matches: list[tuple[int, int, bool]]
+    spans: list[tuple[int, int]]
+
 # Scan memo: texts remembered per process, grouped by a hash of their first bytes.
 _MEMO_TEXTS = 256
 _MEMO_HEAD = 256
@@ -149,7 +159,7 @@ class BoundaryScanner:
         # Recent texts and their matches, by a hash of their first bytes: a
         # growing conversation rescans only what it appended. Guarded by _lock
         # (the memo is shared by the threads of a process).
-        self._memo: OrderedDict[int, list[tuple[bytes, list[tuple[int, int, bool]]]]] = OrderedDict()
+        self._memo: OrderedDict[int, list[_ScanMemo]] = OrderedDict()
         self._memo_texts = memo_texts
         self._lock = threading.Lock()
 
@@ -172,33 +182,46 @@ class BoundaryScanner:
         return [(m.start(), m.end(), m.group() in boundaries) for m in self._pattern.finditer(data, pos)]
 
     def spans(self, data: bytes) -> list[tuple[int, int]]:
-        """(start, end) offsets of each boundary token in ``data``, ascending.
+        """(start, end) offsets of each boundary token in ``data``, ascending (== a full scan)."""
+        return self.spans_and_base(data)[0]
 
-        Equal to a full scan. When a recent text is a prefix of ``data``, its
-        matches are reused up to ``maxlen - 1`` bytes before its end (no added
-        token starting earlier can reach past it) and only the rest is scanned.
+    def spans_and_base(self, data: bytes) -> tuple[list[tuple[int, int]], int]:
+        """(boundary spans of ``data``, length of the recent text it extends, or 0).
+
+        The spans equal a full scan. When a recent text is a prefix of ``data``,
+        its matches are reused up to ``maxlen - 1`` bytes before its end (no
+        added token starting earlier can reach past it) and only the rest is
+        scanned. The base length tells the caller where the text it sent
+        before ends: the cuts up to there are the ones it cached then.
         """
         if self._pattern is None:
-            return []
+            return [], 0
         head = hash(data[:_MEMO_HEAD])
-        base: tuple[bytes, list[tuple[int, int, bool]]] | None = None
+        base: _ScanMemo | None = None
         with self._lock:
             for cand in self._memo.get(head, ()):
-                if len(cand[0]) <= len(data) and (base is None or len(cand[0]) > len(base[0])) \
-                        and data.startswith(cand[0]):
+                if len(cand.data) <= len(data) and (base is None or len(cand.data) > len(base.data)) \
+                        and data.startswith(cand.data):
                     base = cand
         if base is None:
             matches = self._scan(data, 0)
+            spans = [(a, b) for a, b, is_boundary in matches if is_boundary]
+            base_len = 0
         else:
-            limit = len(base[0]) - self._maxlen + 1
-            kept = [m for m in base[1] if m[0] < limit]
-            matches = kept + self._scan(data, max(limit, kept[-1][1] if kept else 0, 0))
+            limit = len(base.data) - self._maxlen + 1
+            n_kept = bisect_left(base.matches, (limit,))
+            n_spans = bisect_left(base.spans, (limit,))
+            kept = base.matches[:n_kept]
+            new = self._scan(data, max(limit, kept[-1][1] if kept else 0, 0))
+            matches = kept + new
+            spans = base.spans[:n_spans] + [(a, b) for a, b, is_boundary in new if is_boundary]
+            base_len = len(base.data)
         with self._lock:
             entries = self._memo.setdefault(head, [])
             self._memo.move_to_end(head)
-            if not any(len(d) == len(data) and d == data for d, _ in entries):
-                entries.append((data, matches))
+            if not any(len(e.data) == len(data) and e.data == data for e in entries):
+                entries.append(_ScanMemo(data, matches, spans))
                 del entries[:-_MEMO_PER_HEAD]
             while len(self._memo) > self._memo_texts:
                 self._memo.popitem(last=False)
-        return [(a, b) for a, b, is_boundary in matches if is_boundary]
+        return list(spans), base_len

@@ -59,51 +59,98 @@ def segment_key(salt: str, mode: bytes, text: bytes) -> bytes:
 
 
 class TextKeys:
-    """Keys of one text at its cuts, computed lazily and only where needed.
+    """Keys of one text at its boundaries, computed lazily and only where needed.
 
     Hashing is the cost that scales with the text: a 57 KB prompt has ~300
     cuts, and an update + digest at each is ~200 µs in Python, while one
     blake3 pass over all of it is ~14 µs. A growing conversation needs keys at
     its last few cuts only (the lookup probes them; the new ones are stored),
-    so those are filled in one running pass and any other key is one pass
-    over its prefix.
+    so :meth:`scan_tail` fills those, the AR keys at the boundary starts
+    between them and the whole-text key in one running pass; any other key
+    is one pass over its prefix.
+
+    ``spans`` are the (start, end) offsets of the boundary tokens: the L1 key
+    of boundary ``i`` covers ``data[:end]``, its AR key ``data[:start]``.
     """
 
-    __slots__ = ("_base", "_data", "_cuts", "_keys")
+    __slots__ = ("_base", "_data", "_spans", "_keys", "_ar_keys", "_exact")
 
-    def __init__(self, data: bytes, cuts: list[int], salt: str, mode: bytes) -> None:
+    def __init__(self, data: bytes, spans: list[tuple[int, int]], salt: str, mode: bytes) -> None:
         self._base = KeyStream(salt, mode)
         self._data = data
-        self._cuts = cuts
-        self._keys: list[bytes | None] = [None] * len(cuts)
+        self._spans = spans
+        self._keys: list[bytes | None] = [None] * len(spans)
+        self._ar_keys: dict[int, bytes] = {}
+        self._exact: bytes | None = None
 
     def exact_key(self) -> bytes:
         """The L0 key of the whole text."""
-        h = self._base._h.copy()
-        h.update(self._data)
-        h.update(_L0_SUFFIX)
-        return h.digest(KEY_BYTES)
+        if self._exact is None:
+            h = self._base._h.copy()
+            h.update(self._data)
+            h.update(_L0_SUFFIX)
+            self._exact = h.digest(KEY_BYTES)
+        return self._exact
 
     def key(self, i: int) -> bytes:
-        """The L1 key of ``data[:cuts[i]]``."""
+        """The L1 key of ``data[:spans[i][1]]``."""
         k = self._keys[i]
         if k is None:
             h = self._base._h.copy()
-            h.update(self._data[:self._cuts[i]])
+            h.update(memoryview(self._data)[:self._spans[i][1]])
             k = self._keys[i] = h.digest(KEY_BYTES)
         return k
 
+    def ar_key(self, i: int) -> bytes:
+        """The AR key of ``data[:spans[i][0]]``: a recorded output ending where boundary ``i`` starts."""
+        k = self._ar_keys.get(i)
+        if k is None:
+            h = self._base._h.copy()
+            h.update(memoryview(self._data)[:self._spans[i][0]])
+            h.update(_AR_SUFFIX)
+            k = self._ar_keys[i] = h.digest(KEY_BYTES)
+        return k
+
+    def scan_tail(self, lo: int, *, ar: bool) -> None:
+        """One pass from boundary ``lo`` to the end: L1 keys of boundaries ``>= lo``, the
+        whole-text key and, with ``ar``, the AR keys of boundaries ``> lo``."""
+        lo = max(lo, 0)
+        data, spans = memoryview(self._data), self._spans  # views: no copies of the text
+        h = self._base._h.copy()
+        prev = spans[lo][1] if lo < len(spans) else len(data)
+        h.update(data[:prev])
+        if lo < len(spans) and self._keys[lo] is None:
+            self._keys[lo] = h.digest(KEY_BYTES)
+        for i in range(lo + 1, len(spans)):
+            start, end = spans[i]
+            if ar:
+                h.update(data[prev:start])
+                prev = start
+                if i not in self._ar_keys:
+                    a = h.copy()
+                    a.update(_AR_SUFFIX)
+                    self._ar_keys[i] = a.digest(KEY_BYTES)
+            h.update(data[prev:end])
+            prev = end
+            if self._keys[i] is None:
+                self._keys[i] = h.digest(KEY_BYTES)
+        if self._exact is None:
+            h.update(data[prev:])
+            h.update(_L0_SUFFIX)
+            self._exact = h.digest(KEY_BYTES)
+
     def fill(self, lo: int, hi: int) -> None:
-        """Compute the keys of cuts ``lo <= i < hi`` in one running pass."""
+        """Compute the L1 keys of boundaries ``lo <= i < hi`` in one running pass."""
         lo = max(lo, 0)
         if lo >= hi or all(k is not None for k in self._keys[lo:hi]):
             return
+        data = memoryview(self._data)
         h = self._base._h.copy()
-        h.update(self._data[:self._cuts[lo]])
-        prev = self._cuts[lo]
+        prev = self._spans[lo][1]
+        h.update(data[:prev])
         for i in range(lo, hi):
-            cut = self._cuts[i]
-            h.update(self._data[prev:cut])
+            cut = self._spans[i][1]
+            h.update(data[prev:cut])
             prev = cut
             if self._keys[i] is None:
                 self._keys[i] = h.digest(KEY_BYTES)

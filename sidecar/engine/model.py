@@ -22,6 +22,8 @@ from __future__ import annotations
 import logging
 import time
 from array import array
+from bisect import bisect_right
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -120,10 +122,18 @@ class Outcome:
     ids: bytes
     decision: Decision
     timings: dict[str, float] = field(default_factory=dict)
+    # Writes the request's new cache entries (None: nothing to write). Run once.
+    commit_step: Callable[[], None] | None = field(default=None, repr=False)
 
     @property
     def num_tokens(self) -> int:
         return len(self.ids) // 4
+
+    def commit(self) -> None:
+        """Store the new entries (no-op when there are none or they were stored)."""
+        step, self.commit_step = self.commit_step, None
+        if step is not None:
+            step()
 
 
 class ModelEngine:
@@ -173,8 +183,13 @@ class ModelEngine:
     # -- tokenize ---------------------------------------------------------
 
     def tokenize(self, text: str, *, add_special_tokens: bool, salt: str = "",
-                 mode: str = "kv-stable") -> Outcome:
+                 mode: str = "kv-stable", defer_store: bool = False) -> Outcome:
         """Ids of ``text`` (== HF tokenizers ``encode(text, add_special_tokens)``), via the cache.
+
+        With ``defer_store`` the new cache entries are not written yet: the
+        caller answers first and then calls ``Outcome.commit()`` (a server
+        does that after sending the response, taking the store write off the
+        request's latency). Without it they are written before returning.
 
         Raises InvalidRequest for text that is not valid Unicode (lone
         surrogates) and RequestTooLarge over the size limit. A failing store
@@ -192,26 +207,41 @@ class ModelEngine:
             ids = _le(array("I", self.encoder.encode_full(text)))
             decision.encoded_chars = len(text)
             return Outcome(ids, decision)
-        raw = self._lookup_encode(data, salt, MODE_EXACT if mode == "exact" else MODE_KV_STABLE, decision,
-                                  len(text))[0]
+        raw, _key, commit = self._lookup_encode(data, salt, MODE_EXACT if mode == "exact" else MODE_KV_STABLE,
+                                                decision, len(text))
         if add_special_tokens and (self.affixes.prefix or self.affixes.suffix):
             raw = _le(array("I", self.affixes.prefix)) + raw + _le(array("I", self.affixes.suffix))
-        return Outcome(raw, decision)
+        out = Outcome(raw, decision, commit_step=commit)
+        if not defer_store:
+            out.commit()
+        return out
 
     def _lookup_encode(self, data: bytes, salt: str, mode: bytes, decision: Decision,
-                       n_chars: int) -> tuple[bytes, bytes]:
-        """(raw ids, L0 key) of ``data``: L0, else longest L1/AR prefix + encoded tail.
+                       n_chars: int) -> tuple[bytes, bytes, Callable[[], None] | None]:
+        """(raw ids, L0 key, store step) of ``data``: L0, else longest L1/AR prefix + encoded tail.
 
-        Phase times (perf_counter_ns start, end) go to ``decision.timings``
-        for the tracer's child spans: lookup, encode, insert.
+        The store step (None when there is nothing to store) writes the new
+        entries; call it once. Phase times (perf_counter_ns start, end) go to
+        ``decision.timings`` for the tracer's child spans: lookup, encode,
+        and insert when the store step runs.
         """
         t0 = time.perf_counter_ns()
-        spans = self.scanner.spans(data)
-        cuts = [end for _, end in spans]
-        decision.boundaries = len(cuts)
-        keys = TextKeys(data, cuts, salt, mode)
-        exact_key = keys.exact_key()
+        spans, base_len = self.scanner.spans_and_base(data)
+        n = len(spans)
+        decision.boundaries = n
+        keys = TextKeys(data, spans, salt, mode)
         store = self.store
+        kv_stable = mode == MODE_KV_STABLE
+        # Recorded outputs are looked up only where some can exist: a segment that
+        # never took an AR record answers every AR probe with a miss.
+        try:
+            ar = store is not None and kv_stable and store.holds_ar()
+        except StoreError:
+            ar = False  # the L0 read below fails the same way and turns the cache off
+        # One hashing pass: the L1 keys of the last cuts (a turn adds a handful), the
+        # AR keys between them and the whole-text key.
+        keys.scan_tail(n - _TAIL_PROBES, ar=ar)
+        exact_key = keys.exact_key()
         if store is not None:
             try:
                 hit = self.memo.get(store, exact_key)
@@ -220,7 +250,7 @@ class ModelEngine:
             except StoreError:
                 log.exception("store read failed; encoding without cache")
                 decision.store_errors += 1
-                store, hit = None, None
+                store, hit, ar = None, None, False
             decision.l0_hit = hit is not None
             if hit is not None:
                 decision.source = "l0"
@@ -228,21 +258,23 @@ class ModelEngine:
                 decision.cached_chars = n_chars
                 decision.cached_bytes = len(data)
                 decision.timings["lookup"] = (t0, time.perf_counter_ns())
-                return hit, exact_key
-        # Longest cached cut (L1).
-        j, prefix = (-1, b"") if store is None else self._longest(store, self.memo, keys, len(cuts))
+                return hit, exact_key, None
+        # Longest cached cut (L1). The cuts of the text this one extends were cached
+        # when it was served: the last of them is the first guess.
+        cuts = [end for _, end in spans]
+        hint = bisect_right(cuts, base_len) - 1 if base_len else -1
+        j, prefix = (-1, b"") if store is None else self._longest(store, self.memo, keys, n, hint)
         start = cuts[j] if j >= 0 else 0
         parent = keys.key(j) if j >= 0 else None
         first_new = j + 1  # index of the first cut not covered by the cached prefix
         if j >= 0:
             decision.source = "l1"
         decision.l1_hit = j >= 0
-        kv_stable = mode == MODE_KV_STABLE
-        if store is not None and kv_stable:
-            ar = self._prefix_ar(store, data, salt, mode, spans, j, start)
+        if store is not None and ar:
+            found = self._prefix_ar(store, keys, spans, j, start)
             decision.ar_prefix_hit = False
-            if ar is not None:
-                i, ar_start, ar_key, ar_ids = ar
+            if found is not None:
+                i, ar_start, ar_key, ar_ids = found
                 decision.ar_prefix_hit = True
                 # Tokens gained over the L1 prefix: the recorded output (and the
                 # few prompt tokens between the L1 cut and the output).
@@ -258,8 +290,7 @@ class ModelEngine:
         pieces.append((data[a:], b""))
         t1 = time.perf_counter_ns()
         decision.timings["lookup"] = (t0, t1)
-        flat, ends, spliced = self._encode_pieces(
-            pieces, salt, mode, store if kv_stable else None)
+        flat, ends, spliced = self._encode_pieces(pieces, salt, mode, store if ar else None)
         t2 = time.perf_counter_ns()
         decision.timings["encode"] = (t1, t2)
         decision.segment_splices = spliced
@@ -274,50 +305,47 @@ class ModelEngine:
         decision.encoded_chars = tail_chars
         decision.cached_bytes = start
         decision.encoded_bytes = len(data) - start
-        if store is not None:
-            keys.fill(first_new, len(cuts))
+        full = prefix + flat
+        if store is None:
+            return full, exact_key, None
+
+        def commit() -> None:
+            """Store one record with the new ids: a key per new cut, and the L0 key."""
+            assert store is not None
+            t3 = time.perf_counter_ns()
+            keys.fill(first_new, n)
             entries: list[tuple[bytes, int] | tuple[bytes, int, Kind]] = [
-                (keys.key(i), ends[n]) for n, i in enumerate(range(first_new, len(cuts)))]
+                (keys.key(i), ends[k]) for k, i in enumerate(range(first_new, n))]
             entries.append((exact_key, ends[-1], Kind.L0))  # its own kind: --ttl-l0 applies
             try:
                 decision.stored = store.put(parent, len(prefix) // 4, flat, entries, Kind.L1)
             except StoreError:
                 log.exception("store write failed; result served uncached")
                 decision.store_errors += 1
-            full = prefix + flat
             if decision.stored:
                 # The next turn of this conversation looks these up: keep their ids
                 # (one buffer; the last cut's ids are a prefix of it).
-                if len(cuts) > first_new:
-                    last = len(cuts) - 1
-                    self.memo.put(store, keys.key(last), full, len(prefix) + ends[last - first_new] * 4)
+                if n > first_new:
+                    self.memo.put(store, keys.key(n - 1), full, len(prefix) + ends[n - 1 - first_new] * 4)
                 self.memo.put(store, exact_key, full)
             elif parent is not None:
                 self.memo.drop(parent)  # its chain may be gone: read it from the store next time
-            decision.timings["insert"] = (t2, time.perf_counter_ns())
-            return full, exact_key
-        return prefix + flat, exact_key
+            decision.timings["insert"] = (t3, time.perf_counter_ns())
 
-    def _prefix_ar(self, store: Store, data: bytes, salt: str, mode: bytes, spans: list[tuple[int, int]],
+        return full, exact_key, commit
+
+    @staticmethod
+    def _prefix_ar(store: Store, keys: TextKeys, spans: list[tuple[int, int]],
                    j: int, start: int) -> tuple[int, int, bytes, bytes] | None:
         """The longest recorded output ending where a boundary token starts, beyond the L1 hit.
 
         Returns (index of that boundary, its start offset, AR key, ids) or None.
-        Keys are derived only past the L1 hit: one extra hash of the cached
-        prefix instead of an extra digest at every boundary of the text.
         """
-        candidates = [(i, s) for i, (s, _) in enumerate(spans[j + 1:], j + 1) if s >= start]
-        if not candidates:
-            return None
-        stream = KeyStream(salt, mode)
-        stream.feed(data[:start])
-        pos = start
-        keyed: list[tuple[int, int, bytes]] = []
-        for i, s in candidates:
-            stream.feed(data[pos:s])
-            pos = s
-            keyed.append((i, s, stream.output_key()))
-        for i, s, key in reversed(keyed):
+        for i in range(len(spans) - 1, j, -1):
+            s = spans[i][0]
+            if s < start:
+                break
+            key = keys.ar_key(i)
             hit = store.get(key)
             if hit is not None:
                 return i, s, key, hit
@@ -411,7 +439,9 @@ class ModelEngine:
         if prompt_ids[:len(affix_pre)] != affix_pre:
             raise InvalidRequest("prompt_token_ids", "does not start with the tokenizer's BOS tokens")
         raw_prompt = prompt_ids[len(affix_pre):]
-        served, prompt_key = self._lookup_encode(data, salt, MODE_KV_STABLE, Decision(), len(prompt_text))
+        served, prompt_key, commit = self._lookup_encode(data, salt, MODE_KV_STABLE, Decision(), len(prompt_text))
+        if commit is not None:
+            commit()  # the AR record chains to the prompt's entry: store it first
         out_bytes = _le(array("I", verified.ids))
         if _le(array("I", raw_prompt)) == served:
             parent, parent_tokens, record = prompt_key, len(raw_prompt), out_bytes
@@ -456,29 +486,38 @@ class ModelEngine:
         return str(self.reference.tokenizer.decode(ids, skip_special_tokens=False))
 
     @staticmethod
-    def _longest(store: Store, memo: ChainMemo, keys: TextKeys, n: int) -> tuple[int, bytes]:
+    def _longest(store: Store, memo: ChainMemo, keys: TextKeys, n: int, hint: int = -1) -> tuple[int, bytes]:
         """(index, ids) of the longest cut whose prefix is cached, or (-1, b"").
 
-        Gallops back from the last cut (a turn adds a handful of cuts, a
-        history rewrite many) with cheap index probes, binary-searches the
-        bracket, and reads the chain of the winner only; a winner whose chain
-        turns out broken is skipped for the next shorter present cut.
+        ``hint``: a cut that is probably cached and probably the longest (the
+        last cut of the text this one extends). Checked first, with the cut
+        after it: a conversation's next turn settles in two index probes.
+        Otherwise gallops back from the last cut (a turn adds a handful of
+        cuts, a history rewrite many) with cheap index probes, binary-searches
+        the bracket, and reads the chain of the winner only; a winner whose
+        chain turns out broken is skipped for the next shorter present cut.
         """
-        keys.fill(n - _TAIL_PROBES, n)
         hi = n - 1  # highest index that may be present
-        step = 1
         lo = -1  # known present (or -1)
-        probe = n - 1
-        while probe >= 0:
-            if store.contains(keys.key(probe)):
-                lo = probe
-                break
-            hi = probe - 1
-            probe = n - 1 - step
-            step *= 2
-        if lo < 0 and probe < 0 and hi >= 0:
-            if store.contains(keys.key(0)):
-                lo = 0
+        if 0 <= hint < n and store.contains(keys.key(hint)):
+            lo = hint
+            if hint + 1 >= n or not store.contains(keys.key(hint + 1)):
+                hi = hint
+            else:
+                lo = hint + 1
+        if lo < hi:
+            step = 1
+            probe = n - 1
+            while probe > lo:
+                if store.contains(keys.key(probe)):
+                    lo = probe
+                    break
+                hi = probe - 1
+                probe = n - 1 - step
+                step *= 2
+            if lo < 0 and probe < 0 and hi >= 0:
+                if store.contains(keys.key(0)):
+                    lo = 0
         if lo < 0:
             return -1, b""
         # Present at lo, absent at every probed index above it: binary search (lo, hi].

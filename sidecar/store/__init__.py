@@ -6,9 +6,12 @@ conversation costs memory linear in its length; eviction is FIFO by bytes with h
 copied forward (approximate LRU), a TTL per entry kind, and a soft cap that memory
 pressure lowers (``Store.shrink``: evict, and give the pages back to the kernel).
 
+Ids go in and come out as packed little-endian uint32; a segment created with
+``id_bytes=3`` (``id_bytes_for(vocab_size)``) stores them in 3 bytes each.
+
 Typical use::
 
-    store = Store.open(prefix="tokcache", fingerprint=fp_hex, size=256 << 20)
+    store = Store.open(prefix="tokcache", fingerprint=fp_hex, size=256 << 20, id_bytes=id_bytes_for(vocab))
     store.put(None, 0, ids, [(key_turn1, len(ids) // 4)], Kind.L1)
     store.get(key_turn1)  # -> ids, or None
 
@@ -22,6 +25,7 @@ Readers that must never write (a co-located client, ``tokcache-sidecar stats``):
 from __future__ import annotations
 
 from ._direct import DirectLookup, l0_key
+from ._layout import id_bytes_for
 from ._reader import StoreReader, read_stats
 from ._store import EVICTION_CAUSES, Kind, Shrink, Store, StoreStats, segment_name
 from .errors import LockTimeout, SegmentError, SegmentMismatch, StoreClosed, StoreError
@@ -39,6 +43,7 @@ __all__ = [
     "StoreError",
     "StoreReader",
     "StoreStats",
+    "id_bytes_for",
     "l0_key",
     "read_stats",
     "segment_name",

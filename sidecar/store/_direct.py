@@ -79,7 +79,8 @@ class DirectLookup:
         self._checked = -float("inf")
 
     def get(self, text: str, *, salt: str = "", mode: str = "kv-stable") -> bytes | None:
-        """The raw ids (packed little-endian uint32) the sidecar stored for ``text``, or None."""
+        """The raw ids (packed little-endian uint32, whatever width the segment stores them
+        in) the sidecar stored for ``text``, or None."""
         reader = self._current()
         if reader is None:
             return None

@@ -83,8 +83,9 @@ _ZERO_LINK_CHECK: Final = bytes(LINK_CHECK_SIZE)
 SWEEP_STEPS: Final = 64
 
 Chain = tuple[bytes, int, int, int, int]
-"""A verified chain: (ids, LSN of its oldest record, number of records, the key's expiry,
-the earliest expiry among the records before the key's own (0: none expires))."""
+"""A verified chain: (ids as stored, in the segment's width: ``_layout.widen`` makes them
+u32; LSN of its oldest record; number of records; the key's expiry; the earliest expiry
+among the records before the key's own (0: none expires))."""
 
 Entry = tuple[bytes, int, int, int]
 """One key of a record being written: (key, ids of the record it uses, kind, expiry)."""
@@ -112,12 +113,19 @@ class ParentRef(NamedTuple):
 
 
 class Log:
-    """The arena region of a mapped segment."""
+    """The arena region of a mapped segment whose ids are ``id_bytes`` wide.
 
-    def __init__(self, mm: mmap.mmap, arena_off: int, arena_size: int, words: memoryview, name: str) -> None:
+    The log deals in stored ids only (``id_bytes`` per id): what ``walk`` returns is what
+    ``append`` takes, so copying a chain forward or inlining a parent never converts.
+    """
+
+    def __init__(
+        self, mm: mmap.mmap, arena_off: int, arena_size: int, words: memoryview, name: str, id_bytes: int
+    ) -> None:
         self._mm = mm
         self._off = arena_off
         self.size = arena_size
+        self.id_bytes = id_bytes
         self._words = words
         self._name = name
 
@@ -129,9 +137,10 @@ class Log:
         The key's own record must list ``key`` (with how many of its ids the key uses):
         that is what makes a stale or torn index slot harmless. Each parent is bound by
         its LSN, the first bytes of its check and the token count before it. Returns the
-        Chain, or EVICTED / CORRUPT.
+        Chain (its ids joined once, as stored), or EVICTED / CORRUPT.
         """
         mm = self._mm
+        width = self.id_bytes
         arena_size = self.size
         arena_off = self._off
         words = self._words
@@ -186,7 +195,7 @@ class Log:
             ):
                 return self._failed(cur)
             ids_off = RECORD_SIZE + ENTRY_SIZE * n_entries
-            if ids_off + 4 * n_ids > size:
+            if ids_off + width * n_ids > size:
                 return self._failed(cur)
             if n < 0:
                 q = _find_entry(rec, key, ids_off)
@@ -205,7 +214,7 @@ class Log:
             if n > n_ids:
                 return self._failed(cur)
             if n:
-                parts.append(rec[ids_off : ids_off + 4 * n])
+                parts.append(rec[ids_off : ids_off + width * n])
             if not flags & F_HAS_PARENT:
                 if base:
                     return self._failed(cur)
@@ -309,7 +318,8 @@ class Log:
     ) -> tuple[int, int, int]:
         """Write one record of ``size`` bytes at head, evicting so the log spans <= ``cap``.
 
-        Returns (its LSN, new tail, new head); the caller then points index slots at it.
+        ``ids`` are stored ids (``id_bytes`` each). Returns (its LSN, new tail, new head);
+        the caller then points index slots at it.
         Records evicted to stay within the arena count as cap evictions, those evicted
         only because ``cap`` is below the arena size as pressure evictions.
         """
@@ -334,7 +344,7 @@ class Log:
         if pad >= RECORD_SIZE:
             MAGIC_SIZE.pack_into(mm, self._off + pos + RECORD_MAGIC_OFF, PAD_MAGIC, pad)
         start = self._off + lsn % self.size
-        mm[start : start + size] = _build(lsn, size, link, entries, ids, kind, flags, expiry)
+        mm[start : start + size] = _build(lsn, size, link, entries, ids, len(ids) // self.id_bytes, kind, flags, expiry)
         head = lsn + size
         words[W_HEAD] = head  # the record is complete before any slot can point at it
         return lsn, tail, head
@@ -482,11 +492,12 @@ def _build(
     link: Link | None,
     entries: Sequence[Entry],
     ids: bytes,
+    n_ids: int,
     kind: int,
     flags: int,
     expiry: int,
 ) -> bytearray:
-    """The bytes of one record (see ``_layout``), check included."""
+    """The bytes of one record (see ``_layout``) holding ``n_ids`` stored ``ids``, check included."""
     if link is None:
         link = Link(0, _ZERO_LINK_CHECK, 0, 0, 0, lsn)
     else:
@@ -503,7 +514,7 @@ def _build(
         link.check,
         link.n,
         link.base,
-        len(ids) // 4,
+        n_ids,
         len(entries),
         kind,
         flags,

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any, Final
 
 from ._index import Index
-from ._layout import HEADER_SIZE, KEY_SIZE, RETIRED_MARK, W_RETIRED, ZERO_KEY, unpack_static
+from ._layout import HEADER_SIZE, KEY_SIZE, RETIRED_MARK, W_RETIRED, ZERO_KEY, unpack_static, widen
 from ._log import Log
 from ._segment import SHM_DIR, Segment, attach_readonly, shm_path
 from ._store import StoreStats, segment_name, stats_of
@@ -33,24 +33,27 @@ class StoreReader:
 
     Create with :meth:`attach` (or ``Store.attach_readonly``). The mapping keeps the
     segment it found: when a sidecar replaces the segment (another size or layout),
-    :attr:`replaced` turns True and the caller should attach again.
+    :attr:`replaced` turns True and the caller should attach again. ``id_bytes`` is the
+    segment's stored id width (from its header); ``get`` returns u32 ids regardless.
     """
 
     name: str
     size: int
     fingerprint: str
+    id_bytes: int
 
     def __init__(self, segment: Segment, clock: Callable[[], float]) -> None:
         geometry = segment.geometry
         self.name = segment.name
         self.size = geometry.size
         self.fingerprint = unpack_static(segment.mm[:HEADER_SIZE]).fingerprint.hex()
+        self.id_bytes = segment.id_bytes
         self._segment = segment
         self._clock = clock
         self._view = memoryview(segment.mm)
         self._words = self._view[:HEADER_SIZE].cast("Q")
         self._index = Index(segment.mm, geometry.index_off, geometry.n_buckets, self._words)
-        self._log = Log(segment.mm, geometry.arena_off, geometry.arena_size, self._words, self.name)
+        self._log = Log(segment.mm, geometry.arena_off, geometry.arena_size, self._words, self.name, self.id_bytes)
         self._closed = False
 
     @classmethod
@@ -91,7 +94,7 @@ class StoreReader:
         data, _oldest, _depth, key_expiry, _chain_expiry = found
         if key_expiry and now >= key_expiry:
             return None
-        return data
+        return widen(data, self.id_bytes)
 
     @property
     def replaced(self) -> bool:

@@ -6,7 +6,8 @@ A segment's name only ever refers to a fully initialised segment or to nothing:
   with ``link(2)``, which fails if the name exists (atomic create-if-absent). POSIX shm has
   no rename or link call, so this uses the tmpfs that backs it on Linux (``/dev/shm``).
 * **attach** opens the name, checks the file size and the header (magic, layout version,
-  header check, fingerprint, geometry) and maps it.
+  header check, fingerprint, geometry, id width) and maps it. The id width is the one the
+  creator chose: an attacher's own choice only applies to segments it creates.
 * **attach read-only** (``attach_readonly``) maps an existing segment ``PROT_READ`` with
   the size it has, for readers that must never write (co-located clients, ``stats``).
 * **replace** happens when attach finds a segment this opener cannot use. Under an
@@ -86,6 +87,7 @@ class Segment:
     mm: mmap.mmap
     inode: int
     attached_existing: bool
+    id_bytes: int  # from the static header: fixed for the segment's life
     _shm: Any = field(repr=False)
     _closed: bool = field(default=False, repr=False)
 
@@ -102,14 +104,17 @@ class Segment:
         self._closed = True
 
 
-def open_segment(name: str, fingerprint: bytes, size: int) -> Segment:
+def open_segment(name: str, fingerprint: bytes, size: int, id_bytes: int) -> Segment:
     """Attach to ``name`` if it holds a valid segment for (fingerprint, size), else replace it.
 
+    ``id_bytes`` is the id width of a segment this call creates; an attached segment keeps
+    the width in its header (same fingerprint: same vocabulary, so either width is valid).
     Raises SegmentError on OS failures (the caller translates posix_ipc/OS errors) and
-    ValueError for an unusable size.
+    ValueError for an unusable size or width.
     """
     if len(fingerprint) != _layout.FINGERPRINT_SIZE:
         raise ValueError(f"fingerprint must be {_layout.FINGERPRINT_SIZE} bytes")
+    _layout.check_id_bytes(id_bytes)
     geometry = _layout.geometry_for(size)
     _remove_stale_temporaries(name)
     for _ in range(_OPEN_ATTEMPTS):
@@ -123,7 +128,7 @@ def open_segment(name: str, fingerprint: bytes, size: int) -> Segment:
             except SegmentMismatch as exc:
                 log.warning("replacing shared-memory segment %s: %s", name, exc)
                 _retire(shm, name)
-        segment = _create(name, fingerprint, geometry)
+        segment = _create(name, fingerprint, geometry, id_bytes)
         if segment is not None:
             return segment
     raise SegmentError(f"open {name}: lost the create/replace race {_OPEN_ATTEMPTS} times")
@@ -158,16 +163,17 @@ def attach_readonly(name: str, fingerprint: bytes | None = None) -> Segment:
         raise SegmentError(f"attach {name}: {exc}") from exc
     try:
         page = mm[:HEADER_SIZE]
-        validate(page, fingerprint or _layout.unpack_static(page).fingerprint, geometry)
+        id_bytes = validate(page, fingerprint or _layout.unpack_static(page).fingerprint, geometry)
     except BaseException:
         mm.close()
         shm.close_fd()
         raise
-    return Segment(name, geometry, mm, stat.st_ino, True, shm)
+    return Segment(name, geometry, mm, stat.st_ino, True, id_bytes, shm)
 
 
-def validate(page: bytes, fingerprint: bytes, geometry: Geometry) -> None:
-    """Raise SegmentMismatch unless the header ``page`` is ours and matches the request."""
+def validate(page: bytes, fingerprint: bytes, geometry: Geometry) -> int:
+    """The segment's id width; raise SegmentMismatch unless the header ``page`` is ours and
+    matches the request."""
     header = _layout.unpack_static(page)
     if header.magic != MAGIC:
         raise SegmentMismatch(f"bad magic {header.magic!r}")
@@ -184,9 +190,12 @@ def validate(page: bytes, fingerprint: bytes, geometry: Geometry) -> None:
         or header.geometry != geometry
     ):
         raise SegmentMismatch(f"geometry {header.geometry} != requested {geometry}")
+    if header.id_bytes not in _layout.ID_WIDTHS:  # the check passed: a writer's bug, not a stray write
+        raise SegmentMismatch(f"id width {header.id_bytes} not in {_layout.ID_WIDTHS}")
     retired = int.from_bytes(page[W_RETIRED * 8 : W_RETIRED * 8 + 8], "little")
     if retired == RETIRED_MARK:
         raise SegmentMismatch("segment was retired")
+    return header.id_bytes
 
 
 def _attach(shm: Any, name: str, fingerprint: bytes, geometry: Geometry) -> Segment:
@@ -203,7 +212,7 @@ def _attach(shm: Any, name: str, fingerprint: bytes, geometry: Geometry) -> Segm
         shm.close_fd()
         raise
     try:
-        validate(mm[:HEADER_SIZE], fingerprint, geometry)
+        id_bytes = validate(mm[:HEADER_SIZE], fingerprint, geometry)
     except SegmentMismatch:
         mm.close()
         raise
@@ -211,7 +220,7 @@ def _attach(shm: Any, name: str, fingerprint: bytes, geometry: Geometry) -> Segm
         mm.close()
         shm.close_fd()
         raise
-    return Segment(name, geometry, mm, stat.st_ino, True, shm)
+    return Segment(name, geometry, mm, stat.st_ino, True, id_bytes, shm)
 
 
 def _retire(shm: Any, name: str) -> None:
@@ -241,7 +250,7 @@ def _mark_retired(fd: int) -> None:
             mm[W_RETIRED * 8 : W_RETIRED * 8 + 8] = RETIRED_MARK.to_bytes(8, "little")
 
 
-def _create(name: str, fingerprint: bytes, geometry: Geometry) -> Segment | None:
+def _create(name: str, fingerprint: bytes, geometry: Geometry, id_bytes: int) -> Segment | None:
     """Create, initialise and publish a segment; None if another process published first."""
     tmp = temp_name(name)
     shm = posix_ipc.SharedMemory(tmp, posix_ipc.O_CREX, mode=MODE, size=geometry.size)
@@ -250,14 +259,14 @@ def _create(name: str, fingerprint: bytes, geometry: Geometry) -> Segment | None
     try:
         mm = mmap.mmap(int(shm.fd), geometry.size)
         # Fresh tmpfs pages are zero: head = tail = 0, empty index, no lock holder.
-        static = _layout.pack_static(geometry, fingerprint, int(time.time()))
+        static = _layout.pack_static(geometry, fingerprint, int(time.time()), id_bytes)
         mm[: len(static)] = static
         try:
             os.link(shm_path(tmp), shm_path(name))
         except FileExistsError:
             return None
         published = True
-        return Segment(name, geometry, mm, os.fstat(int(shm.fd)).st_ino, False, shm)
+        return Segment(name, geometry, mm, os.fstat(int(shm.fd)).st_ino, False, id_bytes, shm)
     finally:
         _unlink_quietly(tmp)
         if not published:

@@ -14,6 +14,10 @@ slot is reused first, and records whose every key expired are swept off the tail
 ``put`` and :meth:`Store.sweep`). A chain lives as long as its oldest record: a hit whose
 chain holds a record about to expire is copied forward too.
 
+Ids are stored 3 bytes wide when the segment was created for a vocabulary that fits in
+24 bits (``id_bytes``), else 4; the API always takes and returns packed LE uint32, and
+converts at the boundary (``_layout.narrow``/``widen``, C-level slices).
+
 Memory pressure: :meth:`Store.shrink` sets a soft cap in the shared header that every
 writer honours, evicts down to it and gives the freed arena pages back to the kernel
 (tmpfs pages count against a container's memory limit); :meth:`Store.set_soft_cap`
@@ -45,6 +49,7 @@ from ._layout import (
     RECORD_ALIGN,
     RETIRED_MARK,
     U32_MAX,
+    W_AR_PUTS,
     W_CONSOLIDATIONS,
     W_CORRUPT,
     W_EVICT_CAP,
@@ -64,6 +69,8 @@ from ._layout import (
     W_SOFT_CAP,
     W_TAIL,
     ZERO_KEY,
+    narrow,
+    widen,
 )
 from ._lock import DEFAULT_TIMEOUT, WriterLock
 from ._log import CORRUPT, Entry, Link, Log, effective_cap, min_soft_cap
@@ -123,6 +130,7 @@ class StoreStats:
     ``soft_cap`` is the arena bytes writers may use now (``arena_bytes`` without memory
     pressure); ``resident_bytes`` the segment's pages actually allocated in tmpfs (what
     counts against a memory limit), ``released_bytes`` the arena bytes given back so far.
+    ``id_bytes`` is the width each id is stored in (3 or 4).
     """
 
     capacity: int
@@ -146,6 +154,7 @@ class StoreStats:
     resident_bytes: int
     released_bytes: int
     lock_holder_pid: int
+    id_bytes: int
 
     def as_dict(self) -> dict[str, object]:
         """JSON-able form (kinds by name)."""
@@ -175,12 +184,14 @@ class Store:
     Create with :meth:`open` (or :meth:`attach_readonly` for a reader that never writes).
     ``get`` is lock-free and safe from any number of threads and processes; ``put``,
     ``shrink``, ``set_soft_cap`` and ``sweep`` serialise writers through a cross-process
-    lock. ``close`` must not race with other calls on the same instance.
+    lock. ``close`` must not race with other calls on the same instance. ``id_bytes`` is
+    the width the segment stores ids in (3 or 4, from its header); callers never see it.
     """
 
     name: str
     attached_existing: bool
     size: int
+    id_bytes: int
 
     def __init__(
         self,
@@ -195,6 +206,7 @@ class Store:
         self.name = segment.name
         self.attached_existing = segment.attached_existing
         self.size = geometry.size
+        self.id_bytes = segment.id_bytes
         self._segment = segment
         self._ttl = dict(ttl)
         self._clock = clock
@@ -206,7 +218,7 @@ class Store:
         # Header u64 words: aligned 8-byte loads and stores, so head/tail never read torn.
         self._words = self._header.cast("Q")
         self._index = Index(segment.mm, geometry.index_off, geometry.n_buckets, self._words)
-        self._log = Log(segment.mm, geometry.arena_off, geometry.arena_size, self._words, self.name)
+        self._log = Log(segment.mm, geometry.arena_off, geometry.arena_size, self._words, self.name, self.id_bytes)
         # A hit whose oldest link is this far behind head has < 1/8 of the log left to
         # live; recomputed when the soft cap word changes.
         self._soft_word = -1
@@ -228,6 +240,7 @@ class Store:
         ttl: Mapping[Kind, float] | None = None,
         clock: Callable[[], float] | None = None,
         lock_timeout: float = DEFAULT_TIMEOUT,
+        id_bytes: int = 4,
     ) -> Store:
         """Attach to segment ``<prefix>-<fingerprint>`` if valid, else (re)create it.
 
@@ -236,16 +249,22 @@ class Store:
         (header + index + arena fit in it; the file never grows). ``fingerprint`` is 32 hex
         digits. ``ttl`` gives seconds per kind (missing or 0: no expiry). ``clock`` returns
         epoch seconds (tests inject one). ``lock_timeout`` bounds how long ``put`` waits for
-        a live writer. Raises ValueError for bad arguments and SegmentError on OS failures.
-        Safe to call concurrently from several processes.
+        a live writer. ``id_bytes`` (3 or 4) is how wide a segment this call *creates*
+        stores each id: 3 when every id of the tokenizer is < 2**24 (``id_bytes_for`` of
+        its vocabulary size), saving a quarter of the ids' bytes. Re-attaching keeps the
+        width in the segment's header whatever ``id_bytes`` says (same fingerprint: same
+        vocabulary, and a 3-byte segment refuses ids that do not fit); see
+        :attr:`id_bytes`. Raises ValueError for bad arguments and SegmentError on OS
+        failures. Safe to call concurrently from several processes.
         """
         name = segment_name(prefix, fingerprint)
         ttls = _check_ttl(ttl)
         if lock_timeout <= 0:
             raise ValueError(f"lock_timeout must be > 0, got {lock_timeout}")
         _layout.geometry_for(size)  # ValueError before touching shared memory
+        _layout.check_id_bytes(id_bytes)
         with translate(f"open {name}"):
-            segment = open_segment(name, bytes.fromhex(fingerprint), size)
+            segment = open_segment(name, bytes.fromhex(fingerprint), size, id_bytes)
             try:
                 return cls(segment, ttl=ttls, clock=clock or time.time, lock_timeout=lock_timeout)
             except BaseException:
@@ -291,6 +310,16 @@ class Store:
         """
         return self._live_slot(key) is not None
 
+    def holds_ar(self) -> bool:
+        """Whether an AR record was ever put in this segment (lock-free, O(1)).
+
+        False proves that no AR key is stored, so a reader may skip AR lookups.
+        True stays True after those records are evicted: it only costs lookups.
+        """
+        if self._mm is None:
+            raise StoreClosed(f"{self.name} is closed")
+        return self._words[W_AR_PUTS] > 0
+
     def version(self, key: bytes) -> int | None:
         """An opaque token that changes whenever ``key``'s mapping does, or None if absent.
 
@@ -303,11 +332,12 @@ class Store:
     def get(self, key: bytes) -> bytes | None:
         """The ids stored for ``key``: the parent chain's ids then this entry's ids.
 
-        Packed little-endian uint32. None when the key is absent, expired, or any link of
-        its chain is missing, evicted or fails verification. Never returns bytes other than
-        ones put for this key. Lock-free: never waits for a writer (it may copy a hit
-        forward when its chain is about to be evicted or expire, but only if the lock is
-        free). Raises ValueError for a key that is not 16 bytes or is all zero.
+        Packed little-endian uint32, whatever the segment's id width. None when the key is
+        absent, expired, or any link of its chain is missing, evicted or fails verification.
+        Never returns bytes other than ones put for this key. Lock-free: never waits for a
+        writer (it may copy a hit forward when its chain is about to be evicted or expire,
+        but only if the lock is free). Raises ValueError for a key that is not 16 bytes or
+        is all zero.
         """
         if self._mm is None:
             raise StoreClosed(f"{self.name} is closed")
@@ -339,7 +369,7 @@ class Store:
                     or (chain_expiry and now + self._ttl_margin >= chain_expiry)
                 ):
                     self._consolidate(key, lsn_kind, data, expiry)
-                return data
+                return widen(data, self.id_bytes)
         words[W_MISSES] += 1
         words[W_EXPIRED] += 1
         return None
@@ -371,12 +401,13 @@ class Store:
         applies. A key listed twice keeps its last n. Re-putting a key replaces its mapping.
 
         Returns False and stores nothing when the record is bigger than the arena, when
-        ``parent`` is not (or no longer) stored with exactly ``parent_tokens`` tokens, or
-        when the segment was replaced under this Store. The parent is bound by its record,
-        not its key: re-putting the parent key later does not change this record's prefix.
-        An expired parent still serves as a prefix. Takes the writer lock; raises
-        LockTimeout when a live writer keeps it longer than ``lock_timeout``, ValueError for
-        bad arguments.
+        ``parent`` is not (or no longer) stored with exactly ``parent_tokens`` tokens, when
+        an id of ``ids`` does not fit the segment's width (>= 2**24 with ``id_bytes`` 3:
+        never truncated, never an error), or when the segment was replaced under this Store.
+        The parent is bound by its record, not its key: re-putting the parent key later does
+        not change this record's prefix. An expired parent still serves as a prefix. Takes
+        the writer lock; raises LockTimeout when a live writer keeps it longer than
+        ``lock_timeout``, ValueError for bad arguments.
         """
         if self._mm is None:
             raise StoreClosed(f"{self.name} is closed")
@@ -384,6 +415,7 @@ class Store:
         if len(ids) % 4:
             raise ValueError(f"ids must be packed uint32 (len % 4 == 0), got {len(ids)} bytes")
         n_ids = len(ids) // 4
+        width = self.id_bytes
         if parent is None:
             if parent_tokens != 0:
                 raise ValueError("parent_tokens must be 0 when parent is None")
@@ -404,7 +436,10 @@ class Store:
             raise ValueError("entries must not be empty")
         if len(mapping) > MAX_ENTRIES:
             raise ValueError(f"at most {MAX_ENTRIES} entries per record")
-        size = _layout.record_size(len(mapping), len(ids))
+        stored = narrow(ids, width)  # before the lock: the conversion is O(n)
+        if stored is None:
+            return False
+        size = _layout.record_size(len(mapping), len(stored))
         if size > self._log.size:
             return False
         now = self._clock()
@@ -433,15 +468,18 @@ class Store:
                 else:
                     # This very append would evict the start of the parent's chain and
                     # leave the record unreadable: store the whole prefix inline instead.
-                    walked = self._log.walk(parent, lsn_kind)
-                    if isinstance(walked, int) or len(walked[0]) != 4 * parent_tokens:
+                    walked = self._log.walk(parent, lsn_kind)  # stored ids: no conversion
+                    if isinstance(walked, int) or len(walked[0]) != width * parent_tokens:
                         return False
-                    ids = walked[0] + ids
+                    stored = walked[0] + stored
                     items = [(key, n + parent_tokens, k, e) for key, n, k, e in items]
-                    size = _layout.record_size(len(items), len(ids))
+                    size = _layout.record_size(len(items), len(stored))
                     if size > self._log.size:
                         return False
-            self._append(head, tail, size, link, ids, items, kind, record_expiry, 0, now, cap)
+            if kind == Kind.AR or any(k == Kind.AR for _, _, k, _ in items):
+                # Before the keys appear: a reader that sees an AR key also sees this.
+                self._words[W_AR_PUTS] += 1
+            self._append(head, tail, size, link, stored, items, kind, record_expiry, 0, now, cap)
             self._words[W_PUTS] += 1
             return True
         finally:
@@ -452,7 +490,8 @@ class Store:
         return min(math.ceil(now + ttl), U32_MAX) if ttl > 0 else 0
 
     def _consolidate(self, key: bytes, lsn_kind: int, data: bytes, expiry: int) -> None:
-        """Copy a hit's whole prefix forward as one record and repoint ``key`` (best effort)."""
+        """Copy a hit's whole prefix (``data``: stored ids) forward as one record and repoint
+        ``key`` (best effort)."""
         size = _layout.record_size(1, len(data))
         if size > self._log.size // 2 or not self._lock.try_acquire():
             return
@@ -461,7 +500,7 @@ class Store:
                 return  # replaced segment, or key re-put since we read it: newer wins
             head, tail = self._log.bounds()
             kind = lsn_kind >> LSN_BITS
-            entries: list[Entry] = [(key, len(data) // 4, kind, expiry)]
+            entries: list[Entry] = [(key, len(data) // self.id_bytes, kind, expiry)]
             now = self._clock()
             cap = self._log.cap()
             self._append(head, tail, size, None, data, entries, kind, expiry, F_CONSOLIDATED, now, cap)
@@ -483,8 +522,8 @@ class Store:
         now: float,
         cap: int,
     ) -> None:
-        """Write the record, then point every entry's key at it; under a soft cap, give
-        back the pages tail left behind (in batches). Lock held."""
+        """Write the record (``ids``: stored ids), then point every entry's key at it;
+        under a soft cap, give back the pages tail left behind (in batches). Lock held."""
         lsn, tail, head = self._log.append(head, tail, size, link, ids, entries, kind, expiry, flags, cap)
         access = int(now) & U32_MAX
         for key, _n, entry_kind, entry_expiry in entries:
@@ -674,6 +713,7 @@ def stats_of(words: memoryview, index: Index, log: Log, size: int, fd: int, now:
         resident_bytes=_resident(fd),
         released_bytes=words[W_RELEASED],
         lock_holder_pid=words[W_LOCK_PID],
+        id_bytes=log.id_bytes,
     )
 
 

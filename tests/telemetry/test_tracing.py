@@ -80,6 +80,8 @@ def test_spans_carry_decisions_and_parent(engine: ModelEngine, tmp_path: Path) -
                                                        "Tokenize", "Tokenize"]
     tok = [s for s in rpcs if s.name.endswith("/Tokenize")]
     assert [s.attributes["tokcache.source"] for s in tok] == ["miss", "l0", "ar", "l1", "miss"]
+    # The client sent them over its TokenizeStream; the stream's metadata parented them.
+    assert {s.attributes["tokcache.transport"] for s in tok} == {"stream"}
     for s in rpcs:
         assert format(s.context.trace_id, "032x") == TRACE_ID
         assert s.parent is not None and format(s.parent.span_id, "016x") == PARENT_ID
@@ -98,6 +100,27 @@ def test_spans_carry_decisions_and_parent(engine: ModelEngine, tmp_path: Path) -
     assert children == {"tokcache.render", "tokcache.lookup", "tokcache.encode", "tokcache.insert"}
     for s in spans:
         assert s.start_time <= s.end_time
+
+
+def test_stream_requests_carry_their_own_trace_context(engine: ModelEngine, tmp_path: Path) -> None:
+    from tokcache.v1 import tokenizer_pb2 as pb
+
+    parents = ["1111111111111111", "2222222222222222"]
+
+    async def body(c: AsyncSidecarClient) -> None:
+        call = c._channel.stream_stream("/tokcache.v1.Tokenizer/TokenizeStream",
+                                        request_serializer=pb.TokenizeStreamRequest.SerializeToString,
+                                        response_deserializer=pb.TokenizeStreamResponse.FromString)()
+        for i, parent in enumerate(parents):
+            await call.write(pb.TokenizeStreamRequest(
+                request=pb.TokenizeRequest(model="qwen3", text=f"own context {i}"),
+                traceparent=f"00-{TRACE_ID}-{parent}-01"))
+            assert (await call.read()).WhichOneof("result") == "response"
+        await call.done_writing()
+
+    spans = _run(engine, tmp_path, body).get_finished_spans()
+    tok = [s for s in spans if s.name == "tokcache.v1.Tokenizer/Tokenize"]
+    assert [format(s.parent.span_id, "016x") for s in tok if s.parent is not None] == parents
 
 
 def test_error_spans_have_status(engine: ModelEngine, tmp_path: Path) -> None:

@@ -30,6 +30,7 @@ from typing import Any, Literal
 import grpc
 
 from sidecar_client import _core
+from sidecar_client._tokenize_stream import AsyncTokenizeStream
 from sidecar_client.errors import (
     DeadlineExceeded,
     InvalidArgumentError,
@@ -48,6 +49,8 @@ from tokcache.v1 import tokenizer_pb2_grpc as pb_grpc
 __all__ = ["CHANNEL_OPTIONS", "HandshakeState", "LinkStatus", "Served", "SidecarLink"]
 
 log = logging.getLogger("vllm.tokcache.link")
+
+_TRACE_KEYS = frozenset({"traceparent", "tracestate"})
 
 HandshakeState = Literal["pending", "ready", "refused", "unreachable", "disabled"]
 
@@ -102,6 +105,7 @@ class SidecarLink:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._channel: grpc.aio.Channel | None = None
         self._stub: Any = None
+        self._tstream: AsyncTokenizeStream | None = None
         self._refusals = 0
         if fingerprint is None:
             self._set_handshake("disabled", "vLLM's tokenizer has no tokenizer.json to fingerprint "
@@ -145,12 +149,16 @@ class SidecarLink:
             self._channel = grpc.aio.insecure_channel(_core.channel_target(self.config.address),
                                                       options=CHANNEL_OPTIONS)
             self._stub = pb_grpc.TokenizerStub(self._channel)
+            self._tstream = AsyncTokenizeStream(self._channel, ())
             self._loop = loop
         return self._stub
 
     async def close(self) -> None:
         """Close the channel (same loop only); idempotent."""
         channel, self._channel, self._stub = self._channel, None, None
+        if self._tstream is not None:
+            self._tstream.close()
+            self._tstream = None
         if channel is not None and self._loop is asyncio.get_running_loop():
             await channel.close()
 
@@ -263,13 +271,20 @@ class SidecarLink:
                 return self._not_ready_reason()
             if not self.breaker.allow():
                 return "breaker_open"
+            sreq = pb.TokenizeStreamRequest()
+            for key, value in trace:
+                if key in _TRACE_KEYS:
+                    setattr(sreq, key, value)
             req = _core.build_tokenize(model, text=text, messages=None, tools=None, add_generation_prompt=False,
                                        continue_final_message=False, chat_template_kwargs=None,
                                        add_special_tokens=add_special_tokens, cache_salt=cache_salt,
-                                       mode="kv-stable", return_prompt_text=False)
+                                       mode="kv-stable", return_prompt_text=False, into=sreq.request)
+            stub = self._stub_here()
+            assert self._tstream is not None
             try:
-                resp = await self._stub_here().Tokenize(req, timeout=self.config.timeout_s,
-                                                        metadata=tuple(trace) or None)
+                # The open stream when free (half the per-call cost), else a unary call.
+                resp = await self._tstream.try_call(sreq, self.config.timeout_s, lambda: stub.Tokenize(
+                    req, timeout=self.config.timeout_s, metadata=tuple(trace) or None))
             except grpc.RpcError as exc:
                 return self._failed(translate(exc))
             result = _core.read_tokenize(resp, False)

@@ -149,6 +149,32 @@ class TokenizeResponse(_message.Message):
     backend: str
     def __init__(self, token_ids: _Optional[bytes] = ..., num_tokens: _Optional[int] = ..., fingerprint: _Optional[str] = ..., decision: _Optional[_Union[CacheDecision, _Mapping]] = ..., prompt_text: _Optional[str] = ..., backend: _Optional[str] = ...) -> None: ...
 
+class TokenizeStreamRequest(_message.Message):
+    __slots__ = ("request", "traceparent", "tracestate")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    TRACESTATE_FIELD_NUMBER: _ClassVar[int]
+    request: TokenizeRequest
+    traceparent: str
+    tracestate: str
+    def __init__(self, request: _Optional[_Union[TokenizeRequest, _Mapping]] = ..., traceparent: _Optional[str] = ..., tracestate: _Optional[str] = ...) -> None: ...
+
+class StreamError(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: str
+    message: str
+    def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
+class TokenizeStreamResponse(_message.Message):
+    __slots__ = ("response", "error")
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    response: TokenizeResponse
+    error: StreamError
+    def __init__(self, response: _Optional[_Union[TokenizeResponse, _Mapping]] = ..., error: _Optional[_Union[StreamError, _Mapping]] = ...) -> None: ...
+
 class RenderRequest(_message.Message):
     __slots__ = ("model", "chat")
     MODEL_FIELD_NUMBER: _ClassVar[int]

@@ -39,6 +39,11 @@ class TokenizerStub:
                 request_serializer=tokcache_dot_v1_dot_tokenizer__pb2.TokenizeRequest.SerializeToString,
                 response_deserializer=tokcache_dot_v1_dot_tokenizer__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
+        self.TokenizeStream = channel.stream_stream(
+                '/tokcache.v1.Tokenizer/TokenizeStream',
+                request_serializer=tokcache_dot_v1_dot_tokenizer__pb2.TokenizeStreamRequest.SerializeToString,
+                response_deserializer=tokcache_dot_v1_dot_tokenizer__pb2.TokenizeStreamResponse.FromString,
+                _registered_method=True)
         self.Render = channel.unary_unary(
                 '/tokcache.v1.Tokenizer/Render',
                 request_serializer=tokcache_dot_v1_dot_tokenizer__pb2.RenderRequest.SerializeToString,
@@ -66,6 +71,16 @@ class TokenizerServicer:
 
     def Tokenize(self, request, context):
         """Tokenize raw text or chat messages (rendered with the model's template).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def TokenizeStream(self, request_iterator, context):
+        """Tokenize over one long-lived stream: every request gets exactly one reply,
+        in order. Same results as Tokenize at about half the per-call cost in
+        Python gRPC (no per-call setup); a failed request is an error reply, and
+        the stream goes on.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -106,6 +121,11 @@ def add_TokenizerServicer_to_server(servicer, server):
                     servicer.Tokenize,
                     request_deserializer=tokcache_dot_v1_dot_tokenizer__pb2.TokenizeRequest.FromString,
                     response_serializer=tokcache_dot_v1_dot_tokenizer__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'TokenizeStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.TokenizeStream,
+                    request_deserializer=tokcache_dot_v1_dot_tokenizer__pb2.TokenizeStreamRequest.FromString,
+                    response_serializer=tokcache_dot_v1_dot_tokenizer__pb2.TokenizeStreamResponse.SerializeToString,
             ),
             'Render': grpc.unary_unary_rpc_method_handler(
                     servicer.Render,
@@ -155,6 +175,33 @@ class Tokenizer:
             '/tokcache.v1.Tokenizer/Tokenize',
             tokcache_dot_v1_dot_tokenizer__pb2.TokenizeRequest.SerializeToString,
             tokcache_dot_v1_dot_tokenizer__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TokenizeStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/tokcache.v1.Tokenizer/TokenizeStream',
+            tokcache_dot_v1_dot_tokenizer__pb2.TokenizeStreamRequest.SerializeToString,
+            tokcache_dot_v1_dot_tokenizer__pb2.TokenizeStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

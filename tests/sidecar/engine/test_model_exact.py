@@ -132,3 +132,45 @@ def test_long_conversation_memory_is_linear(subject: Subject) -> None:
     final_tokens = out.num_tokens
     # Linear: total bytes stay within a small factor of 4 bytes per final token.
     assert grown < final_tokens * 4 * 3, (grown, final_tokens)
+
+
+def test_deferred_store_writes_only_on_commit(subject: Subject) -> None:
+    salt = uuid.uuid4().hex
+    text = subject.engine.render([{"role": "user", "content": "deferred 你好\n\n"}], add_generation_prompt=True)
+    out = subject.engine.tokenize(text, add_special_tokens=False, salt=salt, defer_store=True)
+    assert _ids(out.ids) == subject.ref_ids(text, False)
+    assert out.decision.stored is None and "insert" not in out.decision.timings
+    # Nothing is cached until the caller commits.
+    assert subject.engine.tokenize(text, add_special_tokens=False, salt=salt + "-probe").decision.source == "miss"
+    assert subject.engine.tokenize(text, add_special_tokens=False, salt=salt,
+                                   defer_store=True).decision.source == "miss"
+    out.commit()
+    assert out.decision.stored is True and "insert" in out.decision.timings
+    out.commit()  # a second commit is a no-op
+    again = subject.engine.tokenize(text, add_special_tokens=False, salt=salt)
+    assert again.decision.source == "l0" and again.ids == out.ids
+
+
+def test_hinted_lookup_still_finds_the_longest_cut(subject: Subject) -> None:
+    """The scan memo's guess (the last cut of the text this one extends) is only a start:
+    a longer cached cut past it is still found, and a rewritten history still gets the
+    longest common cut."""
+    salt = uuid.uuid4().hex
+    msgs: list[dict[str, Any]] = [{"role": "system", "content": "sys"}]
+    texts = []
+    for turn in range(6):
+        msgs += [{"role": "user", "content": f"q{turn} " + "ab " * 20}, {"role": "assistant", "content": f"a{turn}"}]
+        texts.append(subject.engine.render(msgs[:-1], add_generation_prompt=True))
+    long = texts[4]
+    _check(subject, long, False, salt)  # caches every cut of turns 0-4
+    subject.engine.scanner._memo.clear()  # a process that has seen only the short text
+    _check(subject, texts[0], False, salt)
+    out = subject.engine.tokenize(texts[5], add_special_tokens=False, salt=salt)
+    assert _ids(out.ids) == subject.ref_ids(texts[5], False)
+    # The cached prefix reaches past turn 0 into what the long text cached.
+    assert out.decision.source == "l1" and out.decision.cached_chars > len(texts[3])
+    # A rewritten history (first user message edited) reuses only the system prompt.
+    edited = texts[5].replace("q0 ", "Q0 ", 1)
+    out = subject.engine.tokenize(edited, add_special_tokens=False, salt=salt)
+    assert _ids(out.ids) == subject.ref_ids(edited, False)
+    assert out.decision.source == "l1" and out.decision.cached_chars < edited.index("Q0 ")

@@ -14,7 +14,14 @@ SIZE = 1 << 20
 
 
 @pytest.fixture
-def open_store(shm_prefix: str) -> Iterator[Callable[..., Store]]:
+def id_bytes() -> int:
+    """The id width of the segments ``open_store`` creates: tests that must hold for
+    both widths parametrize ``id_bytes`` over ``_layout.ID_WIDTHS`` (which overrides this)."""
+    return 4
+
+
+@pytest.fixture
+def open_store(shm_prefix: str, id_bytes: int) -> Iterator[Callable[..., Store]]:
     """Open stores under the test's unique prefix; all are closed and unlinked after."""
     opened: list[Store] = []
 
@@ -22,6 +29,7 @@ def open_store(shm_prefix: str) -> Iterator[Callable[..., Store]]:
         kwargs.setdefault("prefix", shm_prefix)
         kwargs.setdefault("fingerprint", FINGERPRINT)
         kwargs.setdefault("size", SIZE)
+        kwargs.setdefault("id_bytes", id_bytes)
         store = Store.open(**kwargs)
         opened.append(store)
         return store

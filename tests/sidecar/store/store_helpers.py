@@ -38,10 +38,16 @@ def key(*parts: object) -> bytes:
 
 
 def ids_of(*parts: object, n: int | None = None) -> bytes:
-    """Pseudo-random packed uint32 ids, 1-60 of them unless ``n`` is given."""
+    """Pseudo-random packed uint32 ids, 1-60 of them unless ``n`` is given.
+
+    Every id is < 2**24 (as in any real vocabulary), so 3-byte segments store them all;
+    each byte below the top one is random, so a width bug cannot go unnoticed.
+    """
     rng = random.Random(repr(parts))
     count = rng.randint(1, 60) if n is None else n
-    return rng.randbytes(4 * count)
+    ids = bytearray(rng.randbytes(4 * count))
+    ids[3::4] = bytes(count)
+    return bytes(ids)
 
 
 # --- conversations: turn t of conversation c continues turns 0..t-1 ----------------------

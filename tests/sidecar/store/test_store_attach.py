@@ -12,6 +12,7 @@ from sidecar.store._segment import shm_path
 from tests.sidecar.store.store_helpers import ids_of, key
 
 Open = Callable[..., Store]
+both_widths = pytest.mark.parametrize("id_bytes", _layout.ID_WIDTHS)
 
 
 def _fill(store: Store) -> None:
@@ -24,16 +25,19 @@ def _patch(store: Store, offset: int, data: bytes) -> None:
         f.write(data)
 
 
-def test_reopen_is_warm(open_store: Open) -> None:
+@both_widths
+def test_reopen_is_warm(open_store: Open, id_bytes: int) -> None:
     first = open_store()
     _fill(first)
     first.close()
     second = open_store()
     assert second.attached_existing
+    assert second.id_bytes == id_bytes
     assert second.get(key("a")) == ids_of("a")[:4]
     assert second.stats().puts == 1  # the shared counters survive too
 
 
+@both_widths
 def test_two_handles_share_one_segment(open_store: Open) -> None:
     first = open_store()
     second = open_store()

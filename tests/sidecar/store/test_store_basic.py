@@ -13,10 +13,12 @@ from hypothesis import strategies as st
 
 from sidecar.store import Kind, LockTimeout, SegmentError, Store, StoreClosed, _log, segment_name
 from sidecar.store import _store as store_module
+from sidecar.store._layout import ID_WIDTHS, U32_MAX
 from sidecar.store.errors import translate
 from tests.sidecar.store.store_helpers import FINGERPRINT, ids_of, key
 
 Open = Callable[..., Store]
+both_widths = pytest.mark.parametrize("id_bytes", ID_WIDTHS)
 
 
 def u32(*values: int) -> bytes:
@@ -33,10 +35,12 @@ def test_segment_name() -> None:
             segment_name("tok", bad_fp)
 
 
-def test_round_trip(open_store: Open) -> None:
+@both_widths
+def test_round_trip(open_store: Open, id_bytes: int) -> None:
     store = open_store()
     assert store.name.endswith("-" + FINGERPRINT)
     assert not store.attached_existing
+    assert store.id_bytes == store.stats().id_bytes == id_bytes
     ids = u32(1, 2, 3, 4, 5)
     assert store.put(None, 0, ids, [(key("a"), 5), (key("a2"), 2), (key("a0"), 0)], Kind.L0)
     assert store.get(key("a")) == ids
@@ -50,6 +54,7 @@ def test_round_trip(open_store: Open) -> None:
     assert 0 < stats.used_bytes < stats.arena_bytes < stats.capacity
 
 
+@both_widths
 def test_chain_with_partial_entries(open_store: Open) -> None:
     store = open_store()
     assert store.put(None, 0, u32(1, 2, 3), [(key(0), 3), (key(0, "p"), 1)], Kind.L1)
@@ -63,7 +68,8 @@ def test_chain_with_partial_entries(open_store: Open) -> None:
     assert store.get(key("branch")) == u32(1, 9)
 
 
-def test_shared_record_keeps_memory_linear(open_store: Open) -> None:
+@both_widths
+def test_shared_record_keeps_memory_linear(open_store: Open, id_bytes: int) -> None:
     store = open_store()
     parent: bytes | None = None
     total = b""
@@ -75,10 +81,11 @@ def test_shared_record_keeps_memory_linear(open_store: Open) -> None:
             assert store.get(key(turn, b)) == total + ids[: (b + 1) * 220]
         parent, total = key(turn, 4), total + ids
     # One record per turn: ~11k ids stored once, not once per boundary (that would be ~1 MB).
-    assert store.stats().used_bytes < 4 * 11_000 + 40 * 256
+    assert store.stats().used_bytes < id_bytes * 11_000 + 40 * 256
     assert store.get(key(39, 4)) == total
 
 
+@both_widths
 def test_reput_replaces_mapping_but_not_children(open_store: Open) -> None:
     store = open_store()
     assert store.put(None, 0, u32(1, 2), [(key("p"), 2)], Kind.L1)
@@ -98,6 +105,7 @@ def test_duplicate_entry_keeps_last(open_store: Open) -> None:
     assert store.stats().live_entries[Kind.AR] == 1
 
 
+@both_widths
 def test_put_refuses_missing_or_mismatched_parent(open_store: Open) -> None:
     store = open_store()
     assert not store.put(key("nope"), 0, u32(1), [(key("x"), 1)], Kind.L1)
@@ -107,13 +115,15 @@ def test_put_refuses_missing_or_mismatched_parent(open_store: Open) -> None:
     assert store.stats().puts == 1
 
 
-def test_record_bigger_than_arena(open_store: Open) -> None:
+@both_widths
+def test_record_bigger_than_arena(open_store: Open, id_bytes: int) -> None:
     store = open_store(size=64 << 10)
     arena = store.stats().arena_bytes
-    assert not store.put(None, 0, bytes(arena), [(key("big"), 1)], Kind.L0)
+    n_fit = (arena - 1024) // id_bytes  # what is stored, not what is passed, must fit
+    assert not store.put(None, 0, bytes(4 * (arena // id_bytes)), [(key("big"), 1)], Kind.L0)
     assert store.get(key("big")) is None
-    assert store.put(None, 0, bytes(arena - 1024), [(key("big"), 1)], Kind.L0)
-    assert store.get(key("big")) == bytes(4)
+    assert store.put(None, 0, bytes(4 * n_fit), [(key("big"), n_fit)], Kind.L0)
+    assert store.get(key("big")) == bytes(4 * n_fit)
 
 
 def test_argument_checks(open_store: Open) -> None:
@@ -156,6 +166,7 @@ def test_close_and_unlink_are_idempotent(open_store: Open) -> None:
     assert again.get(key(1)) is None
 
 
+@both_widths
 def test_deep_chain_is_consolidated(open_store: Open) -> None:
     store = open_store()
     parent: bytes | None = None
@@ -169,6 +180,7 @@ def test_deep_chain_is_consolidated(open_store: Open) -> None:
     assert store.get(last) == want
 
 
+@both_widths
 def test_chain_longer_than_the_cap_is_a_miss(open_store: Open, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_log, "MAX_CHAIN", 8)
     store = open_store()
@@ -184,20 +196,31 @@ def test_chain_longer_than_the_cap_is_a_miss(open_store: Open, monkeypatch: pyte
 
 _op = st.tuples(
     st.integers(0, 30),  # parent: index into the keys put so far (or none)
-    st.binary(max_size=64).map(lambda b: b[: len(b) // 4 * 4]),
+    # Ids of a 24-bit vocabulary (its edges included), sometimes with one id past it.
+    st.lists(st.one_of(st.integers(0, (1 << 24) - 1), st.sampled_from([0, 255, 1 << 16, (1 << 24) - 1])), max_size=16),
+    st.one_of(st.none(), st.tuples(st.integers(1 << 24, U32_MAX), st.floats(0, 1))),
     st.lists(st.tuples(st.integers(0, 40), st.floats(0, 1)), min_size=1, max_size=5),
     st.booleans(),  # lie about parent_tokens
 )
 
 
+@both_widths
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=st.lists(_op, max_size=40))
-def test_matches_reference_model(open_store: Open, ops: list[tuple[int, bytes, list[tuple[int, float]], bool]]) -> None:
+def test_matches_reference_model(
+    open_store: Open,
+    id_bytes: int,
+    ops: list[tuple[int, list[int], tuple[int, float] | None, list[tuple[int, float]], bool]],
+) -> None:
     store = open_store(fingerprint=uuid.uuid4().hex)  # a fresh segment per example
     store_keys = [key("model", i) for i in range(41)]
     model: dict[bytes, bytes] = {}
     try:
-        for parent_i, ids, picks, lie in ops:
+        for parent_i, values, big, picks, lie in ops:
+            if big is not None:  # an id outside a 24-bit vocabulary: a 3-byte segment refuses
+                values = [*values]
+                values.insert(int(big[1] * len(values)), big[0])
+            ids = u32(*values)
             parent = store_keys[parent_i] if parent_i < len(store_keys) and parent_i % 3 else None
             n_ids = len(ids) // 4
             entries = [(store_keys[k], int(f * n_ids)) for k, f in picks]
@@ -208,6 +231,7 @@ def test_matches_reference_model(open_store: Open, ops: list[tuple[int, bytes, l
                 prefix = model.get(parent, b"")
                 tokens = len(prefix) // 4 + (1 if lie else 0)
                 ok = ok and not lie
+            ok = ok and not (big is not None and id_bytes == 3)
             assert store.put(parent, tokens, ids, entries, Kind.L1) is ok
             if ok:
                 for k, n in entries:
@@ -227,3 +251,24 @@ def test_foreign_errors_are_translated() -> None:
         assert str(caught.value).startswith("open /x: ")
     with pytest.raises(LockTimeout), translate("lock /x"):
         raise LockTimeout("held")  # our own errors pass through
+
+
+def test_holds_ar_turns_on_with_the_first_ar_record(shm_prefix: str) -> None:
+    from sidecar.store import Kind, Store
+
+    store = Store.open(prefix=shm_prefix, fingerprint="cd" * 16, size=2 << 20)
+    try:
+        assert not store.holds_ar()
+        assert store.put(None, 0, (5).to_bytes(4, "little"), [(bytes(range(1, 17)), 1)], Kind.L1)
+        assert not store.holds_ar()
+        # An AR entry in a record of another kind counts too.
+        assert store.put(None, 0, (6).to_bytes(4, "little"), [(bytes(range(2, 18)), 1, Kind.AR)], Kind.L1)
+        assert store.holds_ar()
+        again = Store.open(prefix=shm_prefix, fingerprint="cd" * 16, size=2 << 20)
+        try:
+            assert again.holds_ar()  # it lives in the segment, not the process
+        finally:
+            again.close()
+    finally:
+        store.unlink()
+        store.close()

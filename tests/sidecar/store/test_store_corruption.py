@@ -8,15 +8,17 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sidecar.store import Kind, Store
-from sidecar.store._layout import HEADER_SIZE, geometry_for
+from sidecar.store._layout import HEADER_SIZE, ID_WIDTHS, geometry_for
 from sidecar.store._segment import shm_path
 from tests.sidecar.store.store_helpers import conversations, expected, ids_of, key, put_turn
 
 Open = Callable[..., Store]
+both_widths = pytest.mark.parametrize("id_bytes", ID_WIDTHS)
 
 
 def _fill(store: Store, first_conv: int = 0, n_conv: int = 12, turns: int = 8) -> dict[bytes, bytes]:
@@ -61,6 +63,7 @@ def _region(store: Store, rng: random.Random) -> int:
     return geometry.arena_off + rng.randrange(max(1, store.stats().used_bytes))
 
 
+@both_widths
 def test_random_writes(open_store: Open) -> None:
     store = open_store(size=64 << 10)
     want = _fill(store)
@@ -86,6 +89,7 @@ def test_random_writes(open_store: Open) -> None:
     assert _check(reopened, fresh) == len(fresh)
 
 
+@both_widths
 def test_bit_flips_in_records_are_caught(open_store: Open) -> None:
     store = open_store()
     want = _fill(store)
@@ -100,6 +104,7 @@ def test_bit_flips_in_records_are_caught(open_store: Open) -> None:
     assert store.stats().corrupt > 0
 
 
+@both_widths
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     writes=st.lists(

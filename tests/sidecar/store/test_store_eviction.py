@@ -5,7 +5,10 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
+import pytest
+
 from sidecar.store import Kind, Store
+from sidecar.store._layout import ID_WIDTHS
 from sidecar.store._segment import shm_path
 from tests.sidecar.store.store_helpers import (
     FakeClock,
@@ -19,8 +22,10 @@ from tests.sidecar.store.store_helpers import (
 )
 
 Open = Callable[..., Store]
+both_widths = pytest.mark.parametrize("id_bytes", ID_WIDTHS)
 
 
+@both_widths
 def test_fill_far_past_capacity(open_store: Open) -> None:
     store = open_store(size=128 << 10)
     arena = store.stats().arena_bytes
@@ -47,6 +52,7 @@ def test_fill_far_past_capacity(open_store: Open) -> None:
     assert 0 < hits < len(puts) // 10
 
 
+@both_widths
 def test_chains_past_capacity_never_return_wrong_bytes(open_store: Open) -> None:
     store = open_store(size=96 << 10)
     want: dict[bytes, bytes] = {}
@@ -62,6 +68,7 @@ def test_chains_past_capacity_never_return_wrong_bytes(open_store: Open) -> None
     assert store.get(full_key(59, 11)) == full_ids(59, 11)
 
 
+@both_widths
 def test_touched_chain_survives_untouched_is_evicted(open_store: Open) -> None:
     store = open_store(size=256 << 10)
     for c, t in conversations(2, 10):  # conversation 0 will be read, 1 not
@@ -81,6 +88,7 @@ def test_touched_chain_survives_untouched_is_evicted(open_store: Open) -> None:
     assert store.stats().consolidations >= 9
 
 
+@both_widths
 def test_put_inlines_a_parent_chain_it_would_evict(open_store: Open) -> None:
     store = open_store(size=64 << 10)
     arena = store.stats().arena_bytes
@@ -90,7 +98,7 @@ def test_put_inlines_a_parent_chain_it_would_evict(open_store: Open) -> None:
     while store.stats().used_bytes < arena - 2048:  # parent is now the oldest record
         assert store.put(None, 0, ids_of("f", i, n=100), [(key("f", i), 100)], Kind.L1)
         i += 1
-    child_ids = ids_of("child", n=1024)  # 4 KiB: appending it evicts the parent
+    child_ids = ids_of("child", n=1024)  # 3-4 KiB stored: appending it evicts the parent
     assert store.put(key("parent"), 100, child_ids, [(key("child"), 1024), (key("half"), 1)], Kind.L1)
     assert store.get(key("parent")) is None
     assert store.get(key("child")) == parent_ids + child_ids

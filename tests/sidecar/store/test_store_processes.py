@@ -11,14 +11,17 @@ import posix_ipc
 import pytest
 
 from sidecar.store import Kind, LockTimeout, Store, _lock
+from sidecar.store._layout import ID_WIDTHS
 from tests.sidecar.store import store_helpers as helpers
 from tests.sidecar.store.store_helpers import conversations, expected, ids_of, key, put_turn
 
 Open = Callable[..., Store]
 SPAWN = multiprocessing.get_context("spawn")
 SIZE = 1 << 20
+both_widths = pytest.mark.parametrize("id_bytes", ID_WIDTHS)
 
 
+@both_widths
 def test_child_reads_what_parent_wrote(open_store: Open, shm_prefix: str) -> None:
     store = open_store(size=SIZE)
     want: dict[bytes, bytes] = {}
@@ -53,6 +56,7 @@ def test_two_writers_interleave(open_store: Open, shm_prefix: str) -> None:
     assert stats.lock_recoveries == 0
 
 
+@both_widths
 def test_reads_race_a_wrapping_writer(open_store: Open, shm_prefix: str) -> None:
     size = 64 << 10  # the writer laps the log every few hundred puts
     store = open_store(size=size)

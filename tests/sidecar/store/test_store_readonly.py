@@ -23,12 +23,14 @@ from sidecar.store import (
     l0_key,
     read_stats,
 )
+from sidecar.store._layout import ID_WIDTHS
 from sidecar.store._segment import shm_path, temp_name
 from tests.sidecar.store import store_helpers as helpers
 from tests.sidecar.store.store_helpers import FINGERPRINT, conversations, expected, ids_of, key, put_turn
 
 Open = Callable[..., Store]
 SPAWN = multiprocessing.get_context("spawn")
+both_widths = pytest.mark.parametrize("id_bytes", ID_WIDTHS)
 
 
 def _digest(store: Store) -> str:
@@ -36,7 +38,8 @@ def _digest(store: Store) -> str:
         return hashlib.sha256(f.read()).hexdigest()
 
 
-def test_reader_sees_what_writers_put_and_writes_nothing(open_store: Open, shm_prefix: str) -> None:
+@both_widths
+def test_reader_sees_what_writers_put_and_writes_nothing(open_store: Open, shm_prefix: str, id_bytes: int) -> None:
     store = open_store(size=256 << 10)
     want: dict[bytes, bytes] = {}
     for c, t in conversations(30, 8):  # laps the log: old chains are gone, hot ones near the tail
@@ -44,6 +47,7 @@ def test_reader_sees_what_writers_put_and_writes_nothing(open_store: Open, shm_p
         want.update(expected(c, t))
     with Store.attach_readonly(prefix=shm_prefix, fingerprint=FINGERPRINT) as reader:
         assert reader.size == 256 << 10 and reader.fingerprint == FINGERPRINT
+        assert reader.id_bytes == reader.stats().id_bytes == id_bytes
         hits = 0
         for _ in range(3):
             for k, ids in want.items():
@@ -65,6 +69,7 @@ def test_reader_sees_what_writers_put_and_writes_nothing(open_store: Open, shm_p
     assert _digest(store) == snapshot
 
 
+@both_widths
 def test_reader_in_another_process(open_store: Open, shm_prefix: str) -> None:
     store = open_store()
     want: dict[bytes, bytes] = {}
@@ -166,6 +171,7 @@ def test_l0_key_is_the_engine_key(mode: str, tag: bytes) -> None:
         l0_key(text, mode="fast")
 
 
+@both_widths
 def test_direct_lookup_attaches_lazily_and_again(open_store: Open, shm_prefix: str) -> None:
     lookup = DirectLookup(prefix=shm_prefix, fingerprint=FINGERPRINT, retry_interval=0.0)
     try:

@@ -1,0 +1,237 @@
+"""TokenizeStream: the clients' default path, against the real sidecar, and its fallbacks.
+
+The clients send Tokenize over one long-lived stream when it is free and fall
+back to the unary RPC when it is busy, broken, or missing on the server. These
+tests check that the answers never change with the path, that errors arrive as
+the same typed exceptions, and that restarts, drains and deadlines are handled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent import futures
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import tokenizers
+
+from sidecar_client import (
+    AsyncSidecarClient,
+    DeadlineExceeded,
+    InvalidArgumentError,
+    ResourceExhaustedError,
+    SidecarClient,
+    SidecarUnavailable,
+    UnknownModelError,
+)
+from tests.integration.sidecar_proc import SidecarProcess
+from tokcache.v1 import tokenizer_pb2 as pb
+from tokcache.v1 import tokenizer_pb2_grpc as pb_grpc
+
+
+@pytest.fixture(scope="module")
+def sidecar(tmp_path_factory: pytest.TempPathFactory, qwen3_path: Path) -> Iterator[SidecarProcess]:
+    tmp = tmp_path_factory.mktemp("stream")
+    prefix = f"tkt-stream-{uuid.uuid4().hex[:8]}"
+    proc = SidecarProcess(tmp, {"qwen3": qwen3_path}, prefix, "--max-text-bytes", "1MiB").start()
+    yield proc
+    code = proc.stop()
+    for p in Path("/dev/shm").glob(f"*{prefix}*"):
+        p.unlink()
+    assert code == 0, proc.log()
+
+
+def _texts(n: int, tag: str) -> list[str]:
+    """A growing conversation's prompts: each extends the one before."""
+    out, text = [], "<|im_start|>system\nYou are terse.<|im_end|>\n"
+    for i in range(n):
+        text += f"<|im_start|>user\n{tag} question {i}: 你好  \n\n{'x ' * (i * 7)}<|im_end|>\n<|im_start|>assistant\n"
+        out.append(text)
+        text += f"answer {i}\n\n<|im_end|>\n"
+    return out
+
+
+def test_raw_stream_replies_in_order_with_errors_in_band(sidecar: SidecarProcess, qwen3_path: Path) -> None:
+    ref = tokenizers.Tokenizer.from_file(str(qwen3_path / "tokenizer.json"))
+    requests = [
+        pb.TokenizeRequest(model="qwen3", text="hello <|im_end|> world", add_special_tokens=False),
+        pb.TokenizeRequest(model="nope", text="x"),
+        pb.TokenizeRequest(model="qwen3"),
+        pb.TokenizeRequest(model="qwen3", text="x" * (2 << 20)),
+        pb.TokenizeRequest(model="qwen3", text="still served after errors", add_special_tokens=False),
+    ]
+    with grpc.insecure_channel(sidecar.address) as ch:
+        stub = pb_grpc.TokenizerStub(ch)
+        replies = list(stub.TokenizeStream(iter([pb.TokenizeStreamRequest(request=r) for r in requests])))
+    assert len(replies) == len(requests)
+    kinds = [r.WhichOneof("result") for r in replies]
+    assert kinds == ["response", "error", "error", "error", "response"]
+    assert [r.error.code for r in replies[1:4]] == ["NOT_FOUND", "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED"]
+    assert replies[2].error.message.startswith("input")
+    for i in (0, 4):
+        ids = list(memoryview(replies[i].response.token_ids).cast("I"))
+        assert ids == ref.encode(requests[i].text, add_special_tokens=False).ids
+
+
+def test_sync_client_streams_and_matches_unary(sidecar: SidecarProcess, qwen3_path: Path) -> None:
+    ref = tokenizers.Tokenizer.from_file(str(qwen3_path / "tokenizer.json"))
+    salt = uuid.uuid4().hex
+    with SidecarClient(sidecar.address) as c, grpc.insecure_channel(sidecar.address) as ch:
+        stub = pb_grpc.TokenizerStub(ch)
+        sources = []
+        for text in _texts(8, "sync"):
+            r = c.tokenize("qwen3", text=text, add_special_tokens=False, cache_salt=salt)
+            assert c._stream._replies is not None  # the stream carried it
+            assert r.token_ids == ref.encode(text, add_special_tokens=False).ids
+            sources.append(r.decision.source)
+            unary = stub.Tokenize(pb.TokenizeRequest(model="qwen3", text=text, add_special_tokens=False,
+                                                     cache_salt=salt))
+            assert list(memoryview(unary.token_ids).cast("I")) == r.token_ids
+            assert unary.decision.source == pb.CACHE_SOURCE_L0  # the write-behind landed first
+        assert sources[0] == "miss" and set(sources[1:]) == {"l1"}
+        # Errors are the unary call's typed errors, and the stream survives them.
+        with pytest.raises(UnknownModelError, match="nope"):
+            c.tokenize("nope", text="x")
+        with pytest.raises(InvalidArgumentError) as e:
+            c.tokenize("qwen3", messages=[{"role": "user", "content": "x"}],
+                       add_generation_prompt=True, continue_final_message=True)
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(ResourceExhaustedError):
+            c.tokenize("qwen3", text="x" * (2 << 20))
+        stream = c._stream._replies
+        assert c.tokenize("qwen3", text="after errors").token_ids == ref.encode("after errors").ids
+        assert c._stream._replies is stream
+
+
+def test_concurrent_threads_share_one_client(sidecar: SidecarProcess, qwen3_path: Path) -> None:
+    ref = tokenizers.Tokenizer.from_file(str(qwen3_path / "tokenizer.json"))
+    texts = {f"t{i}": _texts(6, f"thread {i}") for i in range(6)}
+    with SidecarClient(sidecar.address) as c:
+        def run(name: str) -> list[list[int]]:
+            return [c.tokenize("qwen3", text=t, add_special_tokens=False).token_ids for t in texts[name]]
+
+        with futures.ThreadPoolExecutor(6) as pool:
+            got = dict(zip(texts, pool.map(run, texts), strict=True))
+    for name, ts in texts.items():
+        assert got[name] == [ref.encode(t, add_special_tokens=False).ids for t in ts], name
+
+
+def test_async_client_streams_and_falls_back_when_busy(sidecar: SidecarProcess, qwen3_path: Path) -> None:
+    ref = tokenizers.Tokenizer.from_file(str(qwen3_path / "tokenizer.json"))
+    texts = _texts(12, "async")
+
+    async def run() -> list[list[int]]:
+        async with AsyncSidecarClient(sidecar.address) as c:
+            first = await c.tokenize("qwen3", text=texts[0], add_special_tokens=False)
+            assert c._stream._call_obj is not None
+            many = await asyncio.gather(*(c.tokenize("qwen3", text=t, add_special_tokens=False) for t in texts))
+            with pytest.raises(UnknownModelError):
+                await c.tokenize("missing", text="x")
+            return [first.token_ids] + [r.token_ids for r in many]
+
+    got = asyncio.run(run())
+    want = [ref.encode(t, add_special_tokens=False).ids for t in texts]
+    assert got == [want[0], *want]
+
+
+def test_restart_and_drain_are_survived(tmp_path: Path, qwen3_path: Path, shm_prefix: str) -> None:
+    ref = tokenizers.Tokenizer.from_file(str(qwen3_path / "tokenizer.json"))
+    proc = SidecarProcess(tmp_path, {"qwen3": qwen3_path}, shm_prefix).start()
+    try:
+        with SidecarClient(proc.address, timeout=10) as c:
+            assert c.tokenize("qwen3", text="before").token_ids == ref.encode("before").ids
+            assert c._stream._replies is not None
+            # SIGTERM drains: the idle stream is ended at once, so shutdown does not wait out
+            # the grace period, and the client's next call finds no sidecar.
+            t0 = time.monotonic()
+            assert proc.stop(signal.SIGTERM) == 0
+            assert time.monotonic() - t0 < 5, proc.log()
+            with pytest.raises(SidecarUnavailable):
+                c.tokenize("qwen3", text="during the outage")
+            proc.start()
+            assert c.tokenize("qwen3", text="after").token_ids == ref.encode("after").ids
+            assert c.tokenize("qwen3", text="after again").token_ids == ref.encode("after again").ids
+            assert c._stream._replies is not None  # a new stream
+    finally:
+        proc.stop()
+
+
+class _OldSidecar(pb_grpc.TokenizerServicer):
+    """A server of the API before TokenizeStream, or one whose stream never answers."""
+
+    def __init__(self, stream_hangs: bool) -> None:
+        self.stream_hangs = stream_hangs
+        self.unary_calls = 0
+
+    def Tokenize(self, request: pb.TokenizeRequest, context: Any) -> pb.TokenizeResponse:
+        self.unary_calls += 1
+        return pb.TokenizeResponse(token_ids=(7).to_bytes(4, "little"), num_tokens=1)
+
+    def TokenizeStream(self, request_iterator: Any, context: Any) -> Any:
+        if not self.stream_hangs:
+            context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
+        for _ in request_iterator:  # read requests, never reply
+            pass
+        return iter(())
+
+
+def _serve(servicer: _OldSidecar, sock: Path) -> grpc.Server:
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    pb_grpc.add_TokenizerServicer_to_server(servicer, server)
+    server.add_insecure_port(f"unix://{sock}")
+    server.start()
+    return server
+
+
+def test_server_without_stream_gets_unary_calls(tmp_path: Path) -> None:
+    servicer = _OldSidecar(stream_hangs=False)
+    server = _serve(servicer, tmp_path / "old.sock")
+    try:
+        # UNIMPLEMENTED turns streaming off. (grpc.aio sometimes reports a stream the server
+        # ended at once as INTERNAL instead: that call falls back too and the next one retries.)
+        with SidecarClient(f"unix://{tmp_path}/old.sock") as c:
+            got = [c.tokenize("m", text=t).token_ids for t in "abc"]
+            assert not c._stream.enabled
+        assert got == [[7]] * 3 and servicer.unary_calls == 3
+
+        async def run() -> list[list[int]]:
+            async with AsyncSidecarClient(f"unix://{tmp_path}/old.sock") as ac:
+                ids = [(await ac.tokenize("m", text=t)).token_ids for t in "def"]
+                assert not ac._stream.enabled
+                return ids
+
+        assert asyncio.run(run()) == [[7]] * 3
+    finally:
+        server.stop(None)
+
+
+def test_a_stream_that_never_answers_hits_the_deadline(tmp_path: Path) -> None:
+    servicer = _OldSidecar(stream_hangs=True)
+    server = _serve(servicer, tmp_path / "hang.sock")
+    try:
+        with SidecarClient(f"unix://{tmp_path}/hang.sock") as c:
+            t0 = time.monotonic()
+            with pytest.raises(DeadlineExceeded):
+                c.tokenize("m", text="a", timeout=0.2)
+            # The watchdog looks twice a second while idle, 20 times while a call waits.
+            assert time.monotonic() - t0 < 2.0
+            assert c._stream._replies is None  # dropped; the next call opens a new one
+
+        async def run() -> None:
+            async with AsyncSidecarClient(f"unix://{tmp_path}/hang.sock") as ac:
+                t1 = time.monotonic()
+                with pytest.raises(DeadlineExceeded):
+                    await ac.tokenize("m", text="a", timeout=0.2)
+                assert time.monotonic() - t1 < 1.0
+
+        asyncio.run(run())
+    finally:
+        server.stop(None)
+    assert threading.active_count() < 50
