@@ -31,6 +31,7 @@ import grpc
 
 from sidecar.engine.errors import EngineError, InvalidRequest, RequestTooLarge, UnknownModel
 from sidecar.engine.model import Decision, ModelEngine, Outcome
+from sidecar.results import MAX_KNOWN_RESULTS, ResultMemo
 from sidecar.telemetry import Metrics, Tracing
 from sidecar.wire import MODE_FROM_PROTO, chat_from_proto, source_to_proto, unpack_ids
 from tokcache.v1 import tokenizer_pb2 as pb
@@ -100,6 +101,8 @@ class TokenizerService(pb_grpc.TokenizerServicer):  # generated base class, unty
         self.last_rpc = time.monotonic()
         # Open TokenizeStream handlers waiting for their next request (ended on drain).
         self._idle_streams: set[asyncio.Task[Any]] = set()
+        # Results kept for delta replies (clients that set keep_result).
+        self.results = ResultMemo()
 
     def end_streams(self) -> int:
         """End the streams that wait for a request (call once draining): their clients
@@ -219,6 +222,9 @@ class TokenizerService(pb_grpc.TokenizerServicer):  # generated base class, unty
         if request.mode not in (0, *MODE_FROM_PROTO):
             raise InvalidRequest("mode", f"unknown mode {request.mode}")
         mode = MODE_FROM_PROTO.get(request.mode, self.default_mode)
+        if len(request.known_results) > MAX_KNOWN_RESULTS:
+            raise InvalidRequest("known_results", f"at most {MAX_KNOWN_RESULTS} handles, "
+                                                  f"got {len(request.known_results)}")
         out = engine.tokenize(text, add_special_tokens=add_special, salt=request.cache_salt, mode=mode,
                               defer_store=True)
         call.engine, call.outcome = engine, out
@@ -226,8 +232,15 @@ class TokenizerService(pb_grpc.TokenizerServicer):  # generated base class, unty
         call.attrs = _decision_attrs(engine, d, request.cache_salt)
         call.attrs["tokcache.num_tokens"] = out.num_tokens
         call.attrs["tokcache.mode"] = mode
+        ids, base, base_tokens = out.ids, b"", 0
+        if request.known_results:
+            base, base_tokens = self.results.best_base(list(request.known_results), ids)
+            ids = ids[base_tokens * 4:]
         return pb.TokenizeResponse(
-            token_ids=out.ids,
+            token_ids=ids,
+            base_handle=base,
+            base_tokens=base_tokens,
+            result_handle=self.results.put(out.ids) if request.keep_result else b"",
             num_tokens=out.num_tokens,
             fingerprint=engine.fingerprint,
             backend=engine.encoder.name,

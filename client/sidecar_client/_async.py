@@ -10,6 +10,7 @@ import grpc
 
 from sidecar_client import _core
 from sidecar_client._models import ModelInfo, RecordResult, RecordSummary, TokenizeResult
+from sidecar_client._results import ResultCache, group_of
 from sidecar_client._tokenize_stream import AsyncTokenizeStream
 from sidecar_client.errors import translate
 from tokcache.v1 import tokenizer_pb2 as pb
@@ -31,6 +32,7 @@ class AsyncSidecarClient:
         self._stub = pb_grpc.TokenizerStub(self._channel)
         self._stream = AsyncTokenizeStream(self._channel, self._metadata)
         self._stream.enabled = stream
+        self._results = ResultCache()
 
     async def tokenize(self, model: str, *, text: str | None = None,
                        messages: Sequence[Mapping[str, Any]] | None = None,
@@ -48,9 +50,16 @@ class AsyncSidecarClient:
                                    chat_template_kwargs=chat_template_kwargs,
                                    add_special_tokens=add_special_tokens, cache_salt=cache_salt, mode=mode,
                                    return_prompt_text=return_prompt_text, into=sreq.request)
+        # Offer the results held for this conversation: the reply may be a delta on one.
+        group = group_of(model, text, messages, cache_salt, mode, add_special_tokens)
+        known = self._results.offer(group)
+        req.known_results.extend(known)
+        req.keep_result = group is not None
         wait = timeout if timeout is not None else self.timeout
         resp = await self._stream.try_call(sreq, wait, lambda: self._call(self._stub.Tokenize, req, timeout))
-        return _core.read_tokenize(resp, return_prompt_text)
+        result = _core.read_tokenize(resp, return_prompt_text, known)
+        self._results.add(group, resp.result_handle, result.token_ids)
+        return result
 
     async def render(self, model: str, messages: Sequence[Mapping[str, Any]], *,
                      tools: Sequence[Mapping[str, Any]] | None = None, add_generation_prompt: bool = False,

@@ -15,10 +15,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from sidecar_client._models import CacheDecision, ModelInfo, TokenizeResult
-from sidecar_client.errors import InvalidArgumentError
+from sidecar_client.errors import InvalidArgumentError, SidecarInternalError
 from tokcache.v1 import tokenizer_pb2 as pb
 
-__all__ = ["ADDRESS_ENV", "build_chat", "build_record", "build_tokenize", "channel_target", "default_address",
+__all__ = ["ADDRESS_ENV", "assemble_ids", "build_chat", "build_record", "build_tokenize", "channel_target",
+           "default_address",
            "pack_ids", "read_models", "read_tokenize", "record_kwargs", "unpack_ids"]
 
 ADDRESS_ENV = "TOKCACHE_ADDRESS"
@@ -169,10 +170,32 @@ def unpack_ids(data: bytes) -> list[int]:
     return ids.tolist()
 
 
-def read_tokenize(resp: pb.TokenizeResponse, want_text: bool) -> TokenizeResult:
+def assemble_ids(resp: pb.TokenizeResponse, known: Mapping[bytes, tuple[int, ...]] | None) -> list[int]:
+    """The reply's ids as a new list: unpacked, or a delta on a result the client offered.
+
+    Raises SidecarInternalError when a delta names a result that was not offered or
+    the count does not add up (a server bug; the ids would be wrong).
+    """
+    ids = unpack_ids(resp.token_ids)
+    if resp.base_handle:
+        base = (known or {}).get(resp.base_handle)
+        n = resp.base_tokens
+        if base is None or n > len(base):
+            raise SidecarInternalError("delta reply on a result this client did not offer")
+        full = list(base)  # one pass over the ints we hold; the rest is pointer work
+        del full[n:]
+        full += ids
+        ids = full
+    if len(ids) != resp.num_tokens:
+        raise SidecarInternalError(f"reply has {len(ids)} ids, says {resp.num_tokens}")
+    return ids
+
+
+def read_tokenize(resp: pb.TokenizeResponse, want_text: bool,
+                  known: Mapping[bytes, tuple[int, ...]] | None = None) -> TokenizeResult:
     d = resp.decision
     return TokenizeResult(
-        token_ids=unpack_ids(resp.token_ids),
+        token_ids=assemble_ids(resp, known),
         fingerprint=resp.fingerprint,
         backend=resp.backend,
         prompt_text=resp.prompt_text if want_text else None,

@@ -10,6 +10,7 @@ import grpc
 
 from sidecar_client import _core
 from sidecar_client._models import ModelInfo, RecordResult, RecordSummary, TokenizeResult
+from sidecar_client._results import ResultCache, group_of
 from sidecar_client._tokenize_stream import SyncTokenizeStream
 from sidecar_client.errors import translate
 from tokcache.v1 import tokenizer_pb2 as pb
@@ -36,6 +37,7 @@ class SidecarClient:
         self._stub = pb_grpc.TokenizerStub(self._channel)
         self._stream = SyncTokenizeStream(self._channel, self._metadata)
         self._stream.enabled = stream
+        self._results = ResultCache()
 
     def tokenize(self, model: str, *, text: str | None = None,
                  messages: Sequence[Mapping[str, Any]] | None = None,
@@ -58,9 +60,16 @@ class SidecarClient:
                                    chat_template_kwargs=chat_template_kwargs,
                                    add_special_tokens=add_special_tokens, cache_salt=cache_salt, mode=mode,
                                    return_prompt_text=return_prompt_text, into=sreq.request)
+        # Offer the results held for this conversation: the reply may be a delta on one.
+        group = group_of(model, text, messages, cache_salt, mode, add_special_tokens)
+        known = self._results.offer(group)
+        req.known_results.extend(known)
+        req.keep_result = group is not None
         wait = timeout if timeout is not None else self.timeout
         resp = self._stream.try_call(sreq, wait, lambda: self._call(self._stub.Tokenize, req, timeout))
-        return _core.read_tokenize(resp, return_prompt_text)
+        result = _core.read_tokenize(resp, return_prompt_text, known)
+        self._results.add(group, resp.result_handle, result.token_ids)
+        return result
 
     def render(self, model: str, messages: Sequence[Mapping[str, Any]], *,
                tools: Sequence[Mapping[str, Any]] | None = None, add_generation_prompt: bool = False,

@@ -235,3 +235,42 @@ def test_a_stream_that_never_answers_hits_the_deadline(tmp_path: Path) -> None:
     finally:
         server.stop(None)
     assert threading.active_count() < 50
+
+
+def test_delta_replies_rebuild_the_exact_ids(sidecar: SidecarProcess, qwen3_path: Path) -> None:
+    ref = tokenizers.Tokenizer.from_file(str(qwen3_path / "tokenizer.json"))
+    salt = uuid.uuid4().hex
+    texts = [t.replace("You are terse.", "You are terse. " * 40) for t in _texts(8, "delta")]  # > MIN_DELTA_IDS
+    with grpc.insecure_channel(sidecar.address) as ch:
+        stub = pb_grpc.TokenizerStub(ch)
+
+        def raw(text: str, known: list[bytes]) -> pb.TokenizeResponse:
+            return stub.Tokenize(pb.TokenizeRequest(model="qwen3", text=text, add_special_tokens=False,
+                                                    cache_salt=salt, known_results=known, keep_result=True))
+
+        first = raw(texts[0], [])
+        assert first.result_handle and not first.base_handle
+        second = raw(texts[1], [b"\x01" * 16, first.result_handle])  # an unknown handle is ignored
+        assert second.base_handle == first.result_handle and second.base_tokens > 0
+        assert len(second.token_ids) // 4 == second.num_tokens - second.base_tokens
+        whole = list(memoryview(first.token_ids).cast("I"))[:second.base_tokens] + list(
+            memoryview(second.token_ids).cast("I"))
+        assert whole == ref.encode(texts[1], add_special_tokens=False).ids
+        # Nothing shared, nothing kept: full replies.
+        plain = stub.Tokenize(pb.TokenizeRequest(model="qwen3", text=texts[1], add_special_tokens=False,
+                                                 cache_salt=salt, known_results=[b"\x02" * 16]))
+        assert not plain.base_handle and not plain.result_handle
+        assert len(plain.token_ids) // 4 == plain.num_tokens
+        with pytest.raises(grpc.RpcError) as e:
+            raw(texts[1], [bytes([i]) * 16 for i in range(9)])
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert e.value.details().startswith("known_results")
+
+    # The client offers what it holds and rebuilds; a caller editing its list changes nothing.
+    with SidecarClient(sidecar.address) as c:
+        for text in texts:
+            r = c.tokenize("qwen3", text=text, add_special_tokens=False, cache_salt=salt + "c")
+            assert r.token_ids == ref.encode(text, add_special_tokens=False).ids
+            r.token_ids[:5] = [0, 0, 0, 0, 0]
+            r.token_ids.append(1)
+        assert len(c._results) == len(texts)

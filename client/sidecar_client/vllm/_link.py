@@ -30,6 +30,7 @@ from typing import Any, Literal
 import grpc
 
 from sidecar_client import _core
+from sidecar_client._results import ResultCache, group_of
 from sidecar_client._tokenize_stream import AsyncTokenizeStream
 from sidecar_client.errors import (
     DeadlineExceeded,
@@ -106,6 +107,7 @@ class SidecarLink:
         self._channel: grpc.aio.Channel | None = None
         self._stub: Any = None
         self._tstream: AsyncTokenizeStream | None = None
+        self._results = ResultCache()
         self._refusals = 0
         if fingerprint is None:
             self._set_handshake("disabled", "vLLM's tokenizer has no tokenizer.json to fingerprint "
@@ -279,6 +281,11 @@ class SidecarLink:
                                        continue_final_message=False, chat_template_kwargs=None,
                                        add_special_tokens=add_special_tokens, cache_salt=cache_salt,
                                        mode="kv-stable", return_prompt_text=False, into=sreq.request)
+            # Offer the results held for this conversation: the reply may be a delta on one.
+            group = group_of(model, text, None, cache_salt, "kv-stable", add_special_tokens)
+            known = self._results.offer(group)
+            req.known_results.extend(known)
+            req.keep_result = group is not None
             stub = self._stub_here()
             assert self._tstream is not None
             try:
@@ -287,7 +294,8 @@ class SidecarLink:
                     req, timeout=self.config.timeout_s, metadata=tuple(trace) or None))
             except grpc.RpcError as exc:
                 return self._failed(translate(exc))
-            result = _core.read_tokenize(resp, False)
+            result = _core.read_tokenize(resp, False, known)
+            self._results.add(group, resp.result_handle, result.token_ids)
         except asyncio.CancelledError:
             raise
         except TokcacheError as exc:
