@@ -20,6 +20,7 @@ import asyncio
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -92,7 +93,9 @@ class SyncTokenizeStream:
         self._replies = method(iter(requests.get, None), metadata=self._metadata)
         self._requests = requests
         if self._watchdog is None:
-            self._watchdog = threading.Thread(target=self._watch, name="tokcache-stream-watchdog", daemon=True)
+            # A weak reference: a client dropped without close() is collected, and the thread ends.
+            self._watchdog = threading.Thread(target=_watch, args=(weakref.ref(self), self._closed),
+                                              name="tokcache-stream-watchdog", daemon=True)
             self._watchdog.start()
 
     def _drop(self) -> None:
@@ -127,18 +130,29 @@ class SyncTokenizeStream:
             self._drop()  # a draining sidecar ends the stream after this reply
         return reply
 
-    def _watch(self) -> None:
-        """Cancel the stream when the open call passes its deadline."""
-        while not self._closed.wait(_WATCH_INTERVAL_S if self._deadline is not None else _IDLE_WATCH_S):
-            deadline, replies = self._deadline, self._replies
-            if deadline is not None and replies is not None and time.monotonic() > deadline:
-                self._expired = True
-                replies.cancel()
+    def _expire_if_late(self) -> None:
+        """Cancel the stream when the open call has passed its deadline."""
+        deadline, replies = self._deadline, self._replies
+        if deadline is not None and replies is not None and time.monotonic() > deadline:
+            self._expired = True
+            replies.cancel()
 
     def close(self) -> None:
         self._closed.set()
         with self._lock:
             self._drop()
+
+
+def _watch(ref: weakref.ReferenceType[SyncTokenizeStream], closed: threading.Event) -> None:
+    """The sync watchdog: often while a call waits, rarely while idle, until closed or collected."""
+    interval = _IDLE_WATCH_S
+    while not closed.wait(interval):
+        stream = ref()
+        if stream is None:
+            return
+        stream._expire_if_late()
+        interval = _WATCH_INTERVAL_S if stream._deadline is not None else _IDLE_WATCH_S
+        del stream
 
 
 class AsyncTokenizeStream:
