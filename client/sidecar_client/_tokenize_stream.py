@@ -106,6 +106,8 @@ class SyncTokenizeStream:
         self._requests = self._replies = None
 
     def _call(self, request: pb.TokenizeStreamRequest, timeout: float | None) -> pb.TokenizeStreamResponse:
+        if self._replies is not None and self._replies.done():
+            self._drop()  # ended while idle (sidecar restarted, drained): start a new one
         if self._replies is None:
             self._open()
         assert self._requests is not None
@@ -181,6 +183,8 @@ class AsyncTokenizeStream:
         return reply_response(reply)
 
     async def _call(self, request: pb.TokenizeStreamRequest, timeout: float | None) -> pb.TokenizeStreamResponse:
+        if self._call_obj is not None and self._call_obj.done():
+            self._drop()  # ended while idle (sidecar restarted, drained): start a new one
         if self._call_obj is None:
             self._call_obj = self._method(metadata=self._metadata)
         call = self._call_obj
@@ -195,6 +199,9 @@ class AsyncTokenizeStream:
             self._drop()
             if _unimplemented(exc):
                 self.enabled = False
+            raise StreamBroken(str(exc)) from exc
+        except (asyncio.InvalidStateError, grpc.aio.UsageError) as exc:
+            self._drop()  # the RPC finished between our check and the write ("RPC already finished")
             raise StreamBroken(str(exc)) from exc
         except asyncio.CancelledError:
             self._drop()  # a reply may still be on its way: the stream is out of step

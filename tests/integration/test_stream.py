@@ -274,3 +274,30 @@ def test_delta_replies_rebuild_the_exact_ids(sidecar: SidecarProcess, qwen3_path
             r.token_ids[:5] = [0, 0, 0, 0, 0]
             r.token_ids.append(1)
         assert len(c._results) == len(texts)
+
+
+def test_async_stream_survives_a_killed_sidecar(tmp_path: Path, qwen3_path: Path, shm_prefix: str) -> None:
+    """The e2e run caught this: a stream whose sidecar died stayed finished, and every later write
+    raised InvalidStateError. A finished stream is now replaced, and a write race is a fallback."""
+    ref = tokenizers.Tokenizer.from_file(str(qwen3_path / "tokenizer.json"))
+    proc = SidecarProcess(tmp_path, {"qwen3": qwen3_path}, shm_prefix).start()
+
+    async def run() -> None:
+        async with AsyncSidecarClient(proc.address, timeout=10) as c:
+            assert (await c.tokenize("qwen3", text="before")).token_ids == ref.encode("before").ids
+            first = c._stream._call_obj
+            assert first is not None
+            proc.stop(signal.SIGKILL)
+            await asyncio.sleep(0.2)
+            for _ in range(3):
+                with pytest.raises(SidecarUnavailable):  # never an InvalidStateError
+                    await c.tokenize("qwen3", text="while dead")
+            proc.start()
+            for text in ("after", "after again", "and again"):
+                assert (await c.tokenize("qwen3", text=text)).token_ids == ref.encode(text).ids
+            assert c._stream._call_obj is not None and c._stream._call_obj is not first
+
+    try:
+        asyncio.run(run())
+    finally:
+        proc.stop()
