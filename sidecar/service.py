@@ -229,9 +229,10 @@ class TokenizerService(pb_grpc.TokenizerServicer):  # generated base class, unty
                               defer_store=True)
         call.engine, call.outcome = engine, out
         d = out.decision
-        call.attrs = _decision_attrs(engine, d, request.cache_salt)
-        call.attrs["tokcache.num_tokens"] = out.num_tokens
-        call.attrs["tokcache.mode"] = mode
+        if self.tracing.enabled:  # span attributes only; the metrics read the decision itself
+            call.attrs = _decision_attrs(engine, d, request.cache_salt)
+            call.attrs["tokcache.num_tokens"] = out.num_tokens
+            call.attrs["tokcache.mode"] = mode
         ids, base, base_tokens = out.ids, b"", 0
         if request.known_results:
             base, base_tokens = self.results.best_base(list(request.known_results), ids)
