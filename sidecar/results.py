@@ -1,16 +1,17 @@
-"""Results a server process recently returned, so a client can be answered with a delta.
+"""Results a server process recently returned, so requests and replies can be deltas.
 
-A growing conversation's ids share a long prefix with the previous turn's.
-A client that still holds that turn's result (as a tuple of ints) names it in
-``known_results``; the reply then carries only the ids past the shared
-prefix. That saves the client most of the cost of a Tokenize it can see: the
-``list[int]`` of 16k ids is built from ints it already has (~60 µs) instead
-of unpacked (~200 µs), and 60 KB less crosses the socket.
+A growing conversation's ids share a long prefix with the previous turn's,
+and its text extends the previous turn's text. A client that still holds
+that turn's result names it: in ``known_results``, and the reply carries only
+the ids past the shared prefix (the client builds its ``list[int]`` from ints
+it already has); and in ``text_base``, and the request carries only the text
+past that result's text. Each saves ~60 KB on the socket and the work of
+packing, parsing and converting it on both sides.
 
 Handles are random per process plus a counter: a handle from another worker
 process (or an earlier life of this one) is simply unknown here, never
-mistaken for another result. Entries are bytes objects the engine built
-anyway; the memo holds references, bounded by their total size.
+mistaken for another result. Entries are the bytes the engine built anyway
+(ids, UTF-8 text); the memo holds references, bounded by their total size.
 """
 
 from __future__ import annotations
@@ -55,35 +56,48 @@ def common_prefix_ids(a: bytes, b: bytes) -> int:
 
 
 class ResultMemo:
-    """Handle -> packed ids, least recently used out first; thread-safe."""
+    """Handle -> (packed ids, UTF-8 text, its length in characters); least recently used
+    out first; thread-safe."""
 
     def __init__(self, max_bytes: int = DEFAULT_MEMO_BYTES) -> None:
         self._max = max_bytes
         self._bytes = 0
-        self._entries: OrderedDict[bytes, bytes] = OrderedDict()
+        self._entries: OrderedDict[bytes, tuple[bytes, bytes, int]] = OrderedDict()
         self._lock = threading.Lock()
         self._prefix = os.urandom(8)
         self._counter = itertools.count(1)
 
-    def put(self, ids: bytes) -> bytes:
-        """Remember ``ids``; returns its new handle (empty when it is too big to keep)."""
-        if len(ids) > self._max:
+    def put(self, ids: bytes, text: bytes = b"", n_chars: int = 0) -> bytes:
+        """Remember ``ids`` (and the text they are of); returns the new handle (empty when
+        it is too big to keep)."""
+        size = len(ids) + len(text)
+        if size > self._max:
             return b""
         handle = self._prefix + next(self._counter).to_bytes(8, "little")
         with self._lock:
-            self._entries[handle] = ids
-            self._bytes += len(ids)
+            self._entries[handle] = (ids, text, n_chars)
+            self._bytes += size
             while self._bytes > self._max:
-                _, dropped = self._entries.popitem(last=False)
-                self._bytes -= len(dropped)
+                _, (old_ids, old_text, _n) = self._entries.popitem(last=False)
+                self._bytes -= len(old_ids) + len(old_text)
         return handle
 
-    def get(self, handle: bytes) -> bytes | None:
+    def _entry(self, handle: bytes) -> tuple[bytes, bytes, int] | None:
         with self._lock:
-            ids = self._entries.get(handle)
-            if ids is not None:
+            entry = self._entries.get(handle)
+            if entry is not None:
                 self._entries.move_to_end(handle)
-            return ids
+            return entry
+
+    def get(self, handle: bytes) -> bytes | None:
+        """The ids kept under ``handle``."""
+        entry = self._entry(handle)
+        return None if entry is None else entry[0]
+
+    def text_of(self, handle: bytes) -> tuple[bytes, int] | None:
+        """(UTF-8 text, characters) of the request kept under ``handle``."""
+        entry = self._entry(handle)
+        return None if entry is None else (entry[1], entry[2])
 
     def best_base(self, handles: list[bytes], ids: bytes) -> tuple[bytes, int]:
         """(handle, shared ids) of the known result sharing the longest prefix with

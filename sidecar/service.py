@@ -48,6 +48,10 @@ class _Unavailable(Exception):
     """The sidecar cannot take requests now (loading, draining): UNAVAILABLE, retryable."""
 
 
+class _StaleBase(Exception):
+    """A request delta names a result this process does not hold: FAILED_PRECONDITION."""
+
+
 def _trace_metadata(msg: pb.TokenizeStreamRequest) -> tuple[tuple[str, str], ...]:
     """A stream request's own trace context, shaped like call metadata (empty if it has none)."""
     return tuple((k, v) for k, v in (("traceparent", msg.traceparent), ("tracestate", msg.tracestate)) if v)
@@ -162,6 +166,8 @@ class TokenizerService(pb_grpc.TokenizerServicer):  # generated base class, unty
         """The status a failed request ends with (logged when it is a bug)."""
         if isinstance(exc, _Unavailable):
             code = grpc.StatusCode.UNAVAILABLE
+        elif isinstance(exc, _StaleBase):
+            code = grpc.StatusCode.FAILED_PRECONDITION
         elif isinstance(exc, UnknownModel):
             code = grpc.StatusCode.NOT_FOUND
         elif isinstance(exc, InvalidRequest):
@@ -171,7 +177,7 @@ class TokenizerService(pb_grpc.TokenizerServicer):  # generated base class, unty
         else:
             log.exception("internal error in %s", call.method, exc_info=exc)
             code = grpc.StatusCode.INTERNAL
-        message = str(exc) if isinstance(exc, (EngineError, _Unavailable)) else f"internal error: {exc!r}"
+        message = str(exc) if isinstance(exc, (EngineError, _Unavailable, _StaleBase)) else f"internal error: {exc!r}"
         call.code, call.error = code.name, message
         return code, message
 
@@ -214,9 +220,28 @@ class TokenizerService(pb_grpc.TokenizerServicer):  # generated base class, unty
         if which == "text":
             text = request.text
             add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+            try:
+                data = text.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise InvalidRequest("text", f"not valid Unicode at index {exc.start}") from exc
+            n_chars = len(text)
+            if request.text_base:
+                # A request delta: the text is a kept result's text + this suffix.
+                kept = self.results.text_of(request.text_base)
+                if kept is None:
+                    raise _StaleBase("text_base: this sidecar process does not hold that result "
+                                     "(restarted, evicted, or another worker); send the whole text")
+                data, n_chars = kept[0] + data, kept[1] + n_chars
         elif which == "chat":
+            if request.text_base:
+                raise InvalidRequest("text_base", "is for text input only")
             text = self._render(call, engine, request.chat)
             add_special = request.add_special_tokens if request.HasField("add_special_tokens") else False
+            try:
+                data = text.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise InvalidRequest("text", f"not valid Unicode at index {exc.start}") from exc
+            n_chars = len(text)
         else:
             raise InvalidRequest("input", "one of text or chat is required")
         if request.mode not in (0, *MODE_FROM_PROTO):
@@ -225,8 +250,8 @@ class TokenizerService(pb_grpc.TokenizerServicer):  # generated base class, unty
         if len(request.known_results) > MAX_KNOWN_RESULTS:
             raise InvalidRequest("known_results", f"at most {MAX_KNOWN_RESULTS} handles, "
                                                   f"got {len(request.known_results)}")
-        out = engine.tokenize(text, add_special_tokens=add_special, salt=request.cache_salt, mode=mode,
-                              defer_store=True)
+        out = engine.tokenize_utf8(data, n_chars, add_special_tokens=add_special, salt=request.cache_salt,
+                                   mode=mode, defer_store=True)
         call.engine, call.outcome = engine, out
         d = out.decision
         if self.tracing.enabled:  # span attributes only; the metrics read the decision itself
@@ -241,7 +266,9 @@ class TokenizerService(pb_grpc.TokenizerServicer):  # generated base class, unty
             token_ids=ids,
             base_handle=base,
             base_tokens=base_tokens,
-            result_handle=self.results.put(out.ids) if request.keep_result else b"",
+            # The text is kept for text input only: a client cannot build on a rendered chat.
+            result_handle=self.results.put(out.ids, data if which == "text" else b"", n_chars)
+            if request.keep_result else b"",
             num_tokens=out.num_tokens,
             fingerprint=engine.fingerprint,
             backend=engine.encoder.name,

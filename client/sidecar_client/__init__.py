@@ -28,6 +28,7 @@ from sidecar_client.errors import (
     SidecarUnavailable,
     TokcacheError,
     UnknownModelError,
+    UnknownResultError,
 )
 
 __all__ = [
@@ -47,6 +48,7 @@ __all__ = [
     "TokcacheError",
     "TokenizeResult",
     "UnknownModelError",
+    "UnknownResultError",
     "record_output",
     "render",
     "tokenize",

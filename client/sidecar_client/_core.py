@@ -15,12 +15,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from sidecar_client._models import CacheDecision, ModelInfo, TokenizeResult
+from sidecar_client._results import ResultCache, group_of
 from sidecar_client.errors import InvalidArgumentError, SidecarInternalError
 from tokcache.v1 import tokenizer_pb2 as pb
 
-__all__ = ["ADDRESS_ENV", "assemble_ids", "build_chat", "build_record", "build_tokenize", "channel_target",
-           "default_address",
-           "pack_ids", "read_models", "read_tokenize", "record_kwargs", "unpack_ids"]
+__all__ = ["ADDRESS_ENV", "TokenizePlan", "assemble_ids", "build_chat", "build_record", "build_tokenize",
+           "channel_target", "default_address", "pack_ids", "read_models", "read_tokenize", "record_kwargs",
+           "unpack_ids"]
 
 ADDRESS_ENV = "TOKCACHE_ADDRESS"
 DEFAULT_ADDRESS = "unix:///run/tokcache/tokcache.sock"
@@ -259,3 +260,53 @@ def record_kwargs(record: Mapping[str, Any]) -> dict[str, Any]:
     out = {"finish_reason": "stop", "stop_reason": None, "cache_salt": None, "prompt_add_special_tokens": False}
     out.update(record)
     return out
+
+
+class TokenizePlan:
+    """One ``tokenize`` call's request, with the deltas the client's kept results allow.
+
+    ``sreq`` is the stream message, ``req`` its TokenizeRequest (also what a unary
+    call sends). When the sidecar no longer holds the ``text_base`` result
+    (UnknownResultError), :meth:`resend_whole_text` turns the request back into
+    a plain one for a single retry.
+    """
+
+    def __init__(self, results: ResultCache, model: str, *, text: str | None,
+                 messages: Sequence[Mapping[str, Any]] | None, tools: Sequence[Mapping[str, Any]] | None,
+                 add_generation_prompt: bool, continue_final_message: bool,
+                 chat_template_kwargs: Mapping[str, Any] | None, add_special_tokens: bool | None,
+                 cache_salt: str | None, mode: str | None, return_prompt_text: bool) -> None:
+        self._results = results
+        self._text = text
+        self._want_text = return_prompt_text
+        self.group = group_of(model, text, messages, cache_salt, mode, add_special_tokens) \
+            if isinstance(model, str) and (text is None or isinstance(text, str)) else None
+        self.known = results.offer(self.group)
+        self.base, cut = results.text_base(self.group, text) if isinstance(text, str) else (b"", 0)
+        self.sreq = pb.TokenizeStreamRequest()
+        self.req = build_tokenize(model, text=text[cut:] if cut and text is not None else text, messages=messages,
+                                  tools=tools, add_generation_prompt=add_generation_prompt,
+                                  continue_final_message=continue_final_message,
+                                  chat_template_kwargs=chat_template_kwargs, add_special_tokens=add_special_tokens,
+                                  cache_salt=cache_salt, mode=mode, return_prompt_text=return_prompt_text,
+                                  into=self.sreq.request)
+        self.req.known_results.extend(self.known)
+        self.req.keep_result = self.group is not None
+        if self.base:
+            self.req.text_base = self.base
+
+    def resend_whole_text(self) -> bool:
+        """Drop the request delta (the sidecar lost its base); False when there was none."""
+        if not self.base or self._text is None:
+            return False
+        self._results.forget(self.base)
+        self.req.text = self._text
+        self.req.ClearField("text_base")
+        self.base = b""
+        return True
+
+    def finish(self, resp: pb.TokenizeResponse) -> TokenizeResult:
+        """The result of the reply; keeps it for the next request's deltas."""
+        result = read_tokenize(resp, self._want_text, self.known)
+        self._results.add(self.group, resp.result_handle, result.token_ids, self._text)
+        return result

@@ -10,9 +10,9 @@ import grpc
 
 from sidecar_client import _core
 from sidecar_client._models import ModelInfo, RecordResult, RecordSummary, TokenizeResult
-from sidecar_client._results import ResultCache, group_of
+from sidecar_client._results import ResultCache
 from sidecar_client._tokenize_stream import SyncTokenizeStream
-from sidecar_client.errors import translate
+from sidecar_client.errors import UnknownResultError, translate
 from tokcache.v1 import tokenizer_pb2 as pb
 from tokcache.v1 import tokenizer_pb2_grpc as pb_grpc
 
@@ -53,23 +53,24 @@ class SidecarClient:
         Goes over the client's ``TokenizeStream`` when no other thread is using
         it, else (and as a fallback) over the unary ``Tokenize``.
         """
-        sreq = pb.TokenizeStreamRequest()
-        req = _core.build_tokenize(model, text=text, messages=messages, tools=tools,
-                                   add_generation_prompt=add_generation_prompt,
-                                   continue_final_message=continue_final_message,
-                                   chat_template_kwargs=chat_template_kwargs,
-                                   add_special_tokens=add_special_tokens, cache_salt=cache_salt, mode=mode,
-                                   return_prompt_text=return_prompt_text, into=sreq.request)
-        # Offer the results held for this conversation: the reply may be a delta on one.
-        group = group_of(model, text, messages, cache_salt, mode, add_special_tokens)
-        known = self._results.offer(group)
-        req.known_results.extend(known)
-        req.keep_result = group is not None
+        plan = _core.TokenizePlan(self._results, model, text=text, messages=messages, tools=tools,
+                                  add_generation_prompt=add_generation_prompt,
+                                  continue_final_message=continue_final_message,
+                                  chat_template_kwargs=chat_template_kwargs,
+                                  add_special_tokens=add_special_tokens, cache_salt=cache_salt, mode=mode,
+                                  return_prompt_text=return_prompt_text)
         wait = timeout if timeout is not None else self.timeout
-        resp = self._stream.try_call(sreq, wait, lambda: self._call(self._stub.Tokenize, req, timeout))
-        result = _core.read_tokenize(resp, return_prompt_text, known)
-        self._results.add(group, resp.result_handle, result.token_ids)
-        return result
+
+        def unary() -> Any:
+            return self._call(self._stub.Tokenize, plan.req, timeout)
+
+        try:
+            resp = self._stream.try_call(plan.sreq, wait, unary)
+        except UnknownResultError:
+            if not plan.resend_whole_text():
+                raise
+            resp = self._stream.try_call(plan.sreq, wait, unary)
+        return plan.finish(resp)
 
     def render(self, model: str, messages: Sequence[Mapping[str, Any]], *,
                tools: Sequence[Mapping[str, Any]] | None = None, add_generation_prompt: bool = False,

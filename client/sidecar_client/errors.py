@@ -8,6 +8,8 @@
     ├── UnknownModelError                    NOT_FOUND
     ├── InvalidArgumentError                 INVALID_ARGUMENT (also raised before sending, .field set)
     ├── ResourceExhaustedError               RESOURCE_EXHAUSTED (request over a size limit)
+    ├── UnknownResultError                   FAILED_PRECONDITION (a text_base the sidecar no longer
+    │                                        holds; the clients resend the whole text themselves)
     └── SidecarInternalError                 INTERNAL and anything else
 """
 
@@ -23,6 +25,7 @@ __all__ = [
     "SidecarUnavailable",
     "TokcacheError",
     "UnknownModelError",
+    "UnknownResultError",
     "from_status",
     "translate",
 ]
@@ -63,6 +66,10 @@ class ResourceExhaustedError(TokcacheError):
     """The request exceeds a size limit of the sidecar."""
 
 
+class UnknownResultError(TokcacheError):
+    """A request delta (``text_base``) named a result the sidecar process does not hold."""
+
+
 class SidecarInternalError(TokcacheError):
     """The sidecar failed unexpectedly (a bug; it keeps serving)."""
 
@@ -73,6 +80,7 @@ _BY_CODE: dict[grpc.StatusCode, type[TokcacheError]] = {
     grpc.StatusCode.NOT_FOUND: UnknownModelError,
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgumentError,
     grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhaustedError,
+    grpc.StatusCode.FAILED_PRECONDITION: UnknownResultError,
 }
 
 

@@ -199,16 +199,23 @@ class ModelEngine:
             data = text.encode("utf-8")
         except UnicodeEncodeError as exc:
             raise InvalidRequest("text", f"not valid Unicode at index {exc.start}") from exc
+        return self.tokenize_utf8(data, len(text), add_special_tokens=add_special_tokens, salt=salt, mode=mode,
+                                  defer_store=defer_store)
+
+    def tokenize_utf8(self, data: bytes, n_chars: int, *, add_special_tokens: bool, salt: str = "",
+                      mode: str = "kv-stable", defer_store: bool = False) -> Outcome:
+        """:meth:`tokenize` of a text given as valid UTF-8 ``data`` of ``n_chars`` characters
+        (a server that assembled it from parts skips a decode and an encode)."""
         if len(data) > self.limits.max_text_bytes:
             raise RequestTooLarge("text", self.limits.max_text_bytes)
         decision = Decision(l1_disabled_reason=self.boundary_check.disabled_reason)
         if add_special_tokens and not self.affixes.separable:
             decision.l1_disabled_reason = f"add_special_tokens: {self.affixes.reason}"
-            ids = _le(array("I", self.encoder.encode_full(text)))
-            decision.encoded_chars = len(text)
+            ids = _le(array("I", self.encoder.encode_full(data.decode("utf-8"))))
+            decision.encoded_chars = n_chars
             return Outcome(ids, decision)
         raw, _key, commit = self._lookup_encode(data, salt, MODE_EXACT if mode == "exact" else MODE_KV_STABLE,
-                                                decision, len(text))
+                                                decision, n_chars)
         if add_special_tokens and (self.affixes.prefix or self.affixes.suffix):
             raw = _le(array("I", self.affixes.prefix)) + raw + _le(array("I", self.affixes.suffix))
         out = Outcome(raw, decision, commit_step=commit)

@@ -60,3 +60,21 @@ def test_inconsistent_delta_replies_are_errors_not_ids() -> None:
                                                base_tokens=2, num_tokens=4), known)
     full = pb.TokenizeResponse(token_ids=_core.pack_ids([5, 6], "t"), num_tokens=2)
     assert _core.assemble_ids(full, None) == [5, 6]
+
+
+def test_text_base_is_the_longest_kept_text_the_request_extends() -> None:
+    cache = ResultCache()
+    head = "s" * 1100
+    cache.add(1, b"a" * 16, [1], head)
+    cache.add(1, b"b" * 16, [1], head + "turn one")
+    cache.add(1, b"c" * 16, [1], head + "other branch")
+    cache.add(2, b"d" * 16, [1], head + "turn one and more")  # another group
+    assert cache.text_base(1, head + "turn one, turn two") == (b"b" * 16, len(head) + 8)
+    assert cache.text_base(1, head + "turn one") == (b"a" * 16, len(head))  # equal text is no extension
+    assert cache.text_base(1, "x" + head) == (b"", 0)
+    assert cache.text_base(None, head + "y") == (b"", 0)
+    short = ResultCache()
+    short.add(1, b"e" * 16, [1], "short")  # under MIN_TEXT_BASE: not worth a retry's risk
+    assert short.text_base(1, "short and longer") == (b"", 0)
+    cache.forget(b"b" * 16)
+    assert cache.text_base(1, head + "turn one, turn two") == (b"a" * 16, len(head))

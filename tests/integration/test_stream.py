@@ -301,3 +301,53 @@ def test_async_stream_survives_a_killed_sidecar(tmp_path: Path, qwen3_path: Path
         asyncio.run(run())
     finally:
         proc.stop()
+
+
+def test_request_deltas_send_only_the_new_text(tmp_path: Path, qwen3_path: Path, shm_prefix: str) -> None:
+    ref = tokenizers.Tokenizer.from_file(str(qwen3_path / "tokenizer.json"))
+    texts = [t.replace("You are terse.", "You are terse. " * 80) for t in _texts(6, "request delta")]
+    proc = SidecarProcess(tmp_path, {"qwen3": qwen3_path}, shm_prefix).start()
+    try:
+        with grpc.insecure_channel(proc.address) as ch:
+            stub = pb_grpc.TokenizerStub(ch)
+            first = stub.Tokenize(pb.TokenizeRequest(model="qwen3", text=texts[0], keep_result=True))
+            suffix = texts[1][len(texts[0]):]
+            second = stub.Tokenize(pb.TokenizeRequest(model="qwen3", text=suffix, text_base=first.result_handle))
+            assert list(memoryview(second.token_ids).cast("I")) == ref.encode(texts[1]).ids
+            d = second.decision
+            assert d.cached_chars + d.encoded_chars == len(texts[1]) and d.cached_tokens > 0
+            for req, code, field in [
+                (pb.TokenizeRequest(model="qwen3", text="x", text_base=b"\x05" * 16),
+                 grpc.StatusCode.FAILED_PRECONDITION, "text_base"),
+                (pb.TokenizeRequest(model="qwen3", chat=pb.ChatInput(messages=[pb.ChatMessage(role="user")]),
+                                    text_base=first.result_handle), grpc.StatusCode.INVALID_ARGUMENT, "text_base"),
+            ]:
+                with pytest.raises(grpc.RpcError) as e:
+                    stub.Tokenize(req)
+                assert e.value.code() == code and e.value.details().startswith(field), e.value.details()
+
+        sent: list[tuple[int, bool]] = []
+        with SidecarClient(proc.address, timeout=10) as c:
+            real = c._stream.try_call
+
+            def spy(sreq: pb.TokenizeStreamRequest, timeout: Any, unary: Any) -> Any:
+                sent.append((len(sreq.request.text), bool(sreq.request.text_base)))
+                return real(sreq, timeout, unary)
+
+            c._stream.try_call = spy  # type: ignore[method-assign]
+            for text in texts[:3]:
+                assert c.tokenize("qwen3", text=text).token_ids == ref.encode(text).ids
+            # After the first turn only the new text travels.
+            assert sent[0] == (len(texts[0]), False)
+            assert sent[1:] == [(len(texts[i]) - len(texts[i - 1]), True) for i in (1, 2)]
+            # A restarted sidecar holds no results: the client resends the whole text, once.
+            proc.stop()
+            proc.start()
+            sent.clear()
+            assert c.tokenize("qwen3", text=texts[3]).token_ids == ref.encode(texts[3]).ids
+            assert sent == [(len(texts[3]) - len(texts[2]), True), (len(texts[3]), False)]
+            sent.clear()
+            assert c.tokenize("qwen3", text=texts[4]).token_ids == ref.encode(texts[4]).ids
+            assert sent == [(len(texts[4]) - len(texts[3]), True)]
+    finally:
+        proc.stop()

@@ -30,7 +30,7 @@ from typing import Any, Literal
 import grpc
 
 from sidecar_client import _core
-from sidecar_client._results import ResultCache, group_of
+from sidecar_client._results import ResultCache
 from sidecar_client._tokenize_stream import AsyncTokenizeStream
 from sidecar_client.errors import (
     DeadlineExceeded,
@@ -39,6 +39,7 @@ from sidecar_client.errors import (
     SidecarUnavailable,
     TokcacheError,
     UnknownModelError,
+    UnknownResultError,
     translate,
 )
 from sidecar_client.vllm._breaker import BreakerState, CircuitBreaker
@@ -273,29 +274,38 @@ class SidecarLink:
                 return self._not_ready_reason()
             if not self.breaker.allow():
                 return "breaker_open"
-            sreq = pb.TokenizeStreamRequest()
+            # Deltas both ways on the results held for this conversation (see _core.TokenizePlan).
+            plan = _core.TokenizePlan(self._results, model, text=text, messages=None, tools=None,
+                                      add_generation_prompt=False, continue_final_message=False,
+                                      chat_template_kwargs=None, add_special_tokens=add_special_tokens,
+                                      cache_salt=cache_salt, mode="kv-stable", return_prompt_text=False)
             for key, value in trace:
                 if key in _TRACE_KEYS:
-                    setattr(sreq, key, value)
-            req = _core.build_tokenize(model, text=text, messages=None, tools=None, add_generation_prompt=False,
-                                       continue_final_message=False, chat_template_kwargs=None,
-                                       add_special_tokens=add_special_tokens, cache_salt=cache_salt,
-                                       mode="kv-stable", return_prompt_text=False, into=sreq.request)
-            # Offer the results held for this conversation: the reply may be a delta on one.
-            group = group_of(model, text, None, cache_salt, "kv-stable", add_special_tokens)
-            known = self._results.offer(group)
-            req.known_results.extend(known)
-            req.keep_result = group is not None
+                    setattr(plan.sreq, key, value)
             stub = self._stub_here()
             assert self._tstream is not None
+            timeout = self.config.timeout_s
+
+            def unary() -> Any:
+                return stub.Tokenize(plan.req, timeout=timeout, metadata=tuple(trace) or None)
+
             try:
                 # The open stream when free (half the per-call cost), else a unary call.
-                resp = await self._tstream.try_call(sreq, self.config.timeout_s, lambda: stub.Tokenize(
-                    req, timeout=self.config.timeout_s, metadata=tuple(trace) or None))
+                try:
+                    resp = await self._tstream.try_call(plan.sreq, timeout, unary)
+                except UnknownResultError:
+                    if not plan.resend_whole_text():
+                        raise
+                    resp = await self._tstream.try_call(plan.sreq, timeout, unary)
             except grpc.RpcError as exc:
-                return self._failed(translate(exc))
-            result = _core.read_tokenize(resp, False, known)
-            self._results.add(group, resp.result_handle, result.token_ids)
+                err = translate(exc)
+                if not (isinstance(err, UnknownResultError) and plan.resend_whole_text()):
+                    return self._failed(err)
+                try:  # the unary call's FAILED_PRECONDITION: once more with the whole text
+                    resp = await unary()
+                except grpc.RpcError as exc2:
+                    return self._failed(translate(exc2))
+            result = plan.finish(resp)
         except asyncio.CancelledError:
             raise
         except TokcacheError as exc:

@@ -98,7 +98,7 @@ class ChatInput(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., tools_json: _Optional[str] = ..., add_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ..., chat_template_kwargs_json: _Optional[str] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
-    __slots__ = ("model", "text", "chat", "add_special_tokens", "cache_salt", "mode", "return_prompt_text", "known_results", "keep_result")
+    __slots__ = ("model", "text", "chat", "add_special_tokens", "cache_salt", "mode", "return_prompt_text", "known_results", "keep_result", "text_base")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
@@ -108,6 +108,7 @@ class TokenizeRequest(_message.Message):
     RETURN_PROMPT_TEXT_FIELD_NUMBER: _ClassVar[int]
     KNOWN_RESULTS_FIELD_NUMBER: _ClassVar[int]
     KEEP_RESULT_FIELD_NUMBER: _ClassVar[int]
+    TEXT_BASE_FIELD_NUMBER: _ClassVar[int]
     model: str
     text: str
     chat: ChatInput
@@ -117,7 +118,8 @@ class TokenizeRequest(_message.Message):
     return_prompt_text: bool
     known_results: _containers.RepeatedScalarFieldContainer[bytes]
     keep_result: bool
-    def __init__(self, model: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., add_special_tokens: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., mode: _Optional[_Union[TokenizeMode, str]] = ..., return_prompt_text: _Optional[bool] = ..., known_results: _Optional[_Iterable[bytes]] = ..., keep_result: _Optional[bool] = ...) -> None: ...
+    text_base: bytes
+    def __init__(self, model: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., add_special_tokens: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., mode: _Optional[_Union[TokenizeMode, str]] = ..., return_prompt_text: _Optional[bool] = ..., known_results: _Optional[_Iterable[bytes]] = ..., keep_result: _Optional[bool] = ..., text_base: _Optional[bytes] = ...) -> None: ...
 
 class CacheDecision(_message.Message):
     __slots__ = ("source", "cached_tokens", "cached_chars", "encoded_chars", "ar_spliced_tokens", "boundaries", "l1_disabled_reason")
