@@ -8,15 +8,16 @@ it already has); and in ``text_base``, and the request carries only the text
 past that result's text. Each saves ~60 KB on the socket and the work of
 packing, parsing and converting it on both sides.
 
-Handles are random per process plus a counter: a handle from another worker
-process (or an earlier life of this one) is simply unknown here, never
-mistaken for another result. Entries are the bytes the engine built anyway
-(ids, UTF-8 text); the memo holds references, bounded by their total size.
+Handles are 16 random bytes, so they cannot be guessed, and an entry answers
+only under the cache salt it was made with: a handle is no way into another
+tenant's text or ids. A handle from another worker process (or an earlier
+life of this one) is simply unknown here, never mistaken for another result.
+Entries are the bytes the engine built anyway (ids, UTF-8 text); the memo
+holds references, bounded by their total size.
 """
 
 from __future__ import annotations
 
-import itertools
 import os
 import threading
 from collections import OrderedDict
@@ -56,55 +57,54 @@ def common_prefix_ids(a: bytes, b: bytes) -> int:
 
 
 class ResultMemo:
-    """Handle -> (packed ids, UTF-8 text, its length in characters); least recently used
-    out first; thread-safe."""
+    """Handle -> (salt, packed ids, UTF-8 text, its length in characters); least recently
+    used out first; thread-safe."""
 
     def __init__(self, max_bytes: int = DEFAULT_MEMO_BYTES) -> None:
         self._max = max_bytes
         self._bytes = 0
-        self._entries: OrderedDict[bytes, tuple[bytes, bytes, int]] = OrderedDict()
+        self._entries: OrderedDict[bytes, tuple[str, bytes, bytes, int]] = OrderedDict()
         self._lock = threading.Lock()
-        self._prefix = os.urandom(8)
-        self._counter = itertools.count(1)
 
-    def put(self, ids: bytes, text: bytes = b"", n_chars: int = 0) -> bytes:
-        """Remember ``ids`` (and the text they are of); returns the new handle (empty when
-        it is too big to keep)."""
+    def put(self, salt: str, ids: bytes, text: bytes = b"", n_chars: int = 0) -> bytes:
+        """Remember ``ids`` (and the text they are of) for requests of ``salt``; returns the
+        new handle (empty when it is too big to keep)."""
         size = len(ids) + len(text)
         if size > self._max:
             return b""
-        handle = self._prefix + next(self._counter).to_bytes(8, "little")
+        handle = os.urandom(16)
         with self._lock:
-            self._entries[handle] = (ids, text, n_chars)
+            self._entries[handle] = (salt, ids, text, n_chars)
             self._bytes += size
             while self._bytes > self._max:
-                _, (old_ids, old_text, _n) = self._entries.popitem(last=False)
+                _, (_s, old_ids, old_text, _n) = self._entries.popitem(last=False)
                 self._bytes -= len(old_ids) + len(old_text)
         return handle
 
-    def _entry(self, handle: bytes) -> tuple[bytes, bytes, int] | None:
+    def _entry(self, handle: bytes, salt: str) -> tuple[str, bytes, bytes, int] | None:
         with self._lock:
             entry = self._entries.get(handle)
-            if entry is not None:
-                self._entries.move_to_end(handle)
+            if entry is None or entry[0] != salt:
+                return None
+            self._entries.move_to_end(handle)
             return entry
 
-    def get(self, handle: bytes) -> bytes | None:
-        """The ids kept under ``handle``."""
-        entry = self._entry(handle)
-        return None if entry is None else entry[0]
+    def get(self, handle: bytes, salt: str) -> bytes | None:
+        """The ids kept under ``handle`` for ``salt``."""
+        entry = self._entry(handle, salt)
+        return None if entry is None else entry[1]
 
-    def text_of(self, handle: bytes) -> tuple[bytes, int] | None:
-        """(UTF-8 text, characters) of the request kept under ``handle``."""
-        entry = self._entry(handle)
-        return None if entry is None else (entry[1], entry[2])
+    def text_of(self, handle: bytes, salt: str) -> tuple[bytes, int] | None:
+        """(UTF-8 text, characters) of the request kept under ``handle`` for ``salt``."""
+        entry = self._entry(handle, salt)
+        return None if entry is None else (entry[2], entry[3])
 
-    def best_base(self, handles: list[bytes], ids: bytes) -> tuple[bytes, int]:
+    def best_base(self, handles: list[bytes], ids: bytes, salt: str) -> tuple[bytes, int]:
         """(handle, shared ids) of the known result sharing the longest prefix with
         ``ids``; (b"", 0) when none shares at least MIN_DELTA_IDS."""
         best, best_n = b"", MIN_DELTA_IDS - 1
         for handle in handles:
-            known = self.get(handle)
+            known = self.get(handle, salt)
             if known is not None:
                 n = common_prefix_ids(known, ids)
                 if n > best_n:

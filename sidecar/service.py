@@ -227,7 +227,7 @@ class TokenizerService(pb_grpc.TokenizerServicer):  # generated base class, unty
             n_chars = len(text)
             if request.text_base:
                 # A request delta: the text is a kept result's text + this suffix.
-                kept = self.results.text_of(request.text_base)
+                kept = self.results.text_of(request.text_base, request.cache_salt)
                 if kept is None:
                     raise _StaleBase("text_base: this sidecar process does not hold that result "
                                      "(restarted, evicted, or another worker); send the whole text")
@@ -260,14 +260,14 @@ class TokenizerService(pb_grpc.TokenizerServicer):  # generated base class, unty
             call.attrs["tokcache.mode"] = mode
         ids, base, base_tokens = out.ids, b"", 0
         if request.known_results:
-            base, base_tokens = self.results.best_base(list(request.known_results), ids)
+            base, base_tokens = self.results.best_base(list(request.known_results), ids, request.cache_salt)
             ids = ids[base_tokens * 4:]
         return pb.TokenizeResponse(
             token_ids=ids,
             base_handle=base,
             base_tokens=base_tokens,
             # The text is kept for text input only: a client cannot build on a rendered chat.
-            result_handle=self.results.put(out.ids, data if which == "text" else b"", n_chars)
+            result_handle=self.results.put(request.cache_salt, out.ids, data if which == "text" else b"", n_chars)
             if request.keep_result else b"",
             num_tokens=out.num_tokens,
             fingerprint=engine.fingerprint,

@@ -351,3 +351,17 @@ def test_request_deltas_send_only_the_new_text(tmp_path: Path, qwen3_path: Path,
             assert sent == [(len(texts[4]) - len(texts[3]), True)]
     finally:
         proc.stop()
+
+
+def test_handles_do_not_cross_salts(sidecar: SidecarProcess) -> None:
+    """A handle is no way into another tenant's text or ids."""
+    text = "<|im_start|>system\n" + "tenant a's private prompt " * 80 + "<|im_end|>\n"
+    with grpc.insecure_channel(sidecar.address) as ch:
+        stub = pb_grpc.TokenizerStub(ch)
+        a = stub.Tokenize(pb.TokenizeRequest(model="qwen3", text=text, cache_salt="a", keep_result=True))
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Tokenize(pb.TokenizeRequest(model="qwen3", text="x", cache_salt="b", text_base=a.result_handle))
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        b = stub.Tokenize(pb.TokenizeRequest(model="qwen3", text=text, cache_salt="b",
+                                             known_results=[a.result_handle]))
+        assert not b.base_handle and len(b.token_ids) // 4 == b.num_tokens
