@@ -64,31 +64,25 @@ class _DecodeGuard(grpc.aio.ServerInterceptor):
 
             return grpc.unary_unary_rpc_method_handler(
                 guarded_unary, response_serializer=handler.response_serializer)
-        if handler.stream_unary is not None:
-            stream = handler.stream_unary
-
-            async def guarded_stream(raws: Any, context: Any) -> Any:
-                async def requests() -> Any:
-                    async for raw in raws:
-                        yield await parsed(raw, context)
-
-                return await stream(requests(), context)
-
-            return grpc.stream_unary_rpc_method_handler(
-                guarded_stream, response_serializer=handler.response_serializer)
-        if handler.stream_stream is not None:
-            streams = handler.stream_stream
-
-            async def guarded_streams(raws: Any, context: Any) -> Any:
-                async def requests() -> Any:
-                    async for raw in raws:
-                        yield await parsed(raw, context)
-
-                return await streams(requests(), context)
-
-            return grpc.stream_stream_rpc_method_handler(
-                guarded_streams, response_serializer=handler.response_serializer)
+        # Client-streaming and bidirectional handlers get the same parsed request iterator.
+        for inner, make in ((handler.stream_unary, grpc.stream_unary_rpc_method_handler),
+                            (handler.stream_stream, grpc.stream_stream_rpc_method_handler)):
+            if inner is not None:
+                return make(_guard_stream(inner, parsed), response_serializer=handler.response_serializer)
         return handler
+
+
+def _guard_stream(inner: Any, parsed: Any) -> Any:
+    """``inner`` fed requests parsed by ``parsed`` (which aborts on bytes that do not parse)."""
+
+    async def guarded(raws: Any, context: Any) -> Any:
+        async def requests() -> Any:
+            async for raw in raws:
+                yield await parsed(raw, context)
+
+        return await inner(requests(), context)
+
+    return guarded
 
 
 def _prepare_unix(address: str) -> None:

@@ -30,7 +30,7 @@ from typing import Any, NoReturn
 import grpc
 
 from sidecar.engine.errors import EngineError, InvalidRequest, RequestTooLarge, UnknownModel
-from sidecar.engine.model import Decision, ModelEngine, Outcome
+from sidecar.engine.model import Decision, ModelEngine, Outcome, utf8
 from sidecar.results import MAX_KNOWN_RESULTS, ResultMemo
 from sidecar.telemetry import Metrics, Tracing
 from sidecar.wire import MODE_FROM_PROTO, chat_from_proto, source_to_proto, unpack_ids
@@ -132,9 +132,20 @@ class TokenizerService(pb_grpc.TokenizerServicer):  # generated base class, unty
         self.last_rpc = time.monotonic()
         return _Call(method)
 
-    def _finish(self, call: _Call, context: Context) -> None:
+    def _end(self, call: _Call) -> float:
+        """The request is answered: no longer in flight; its server-side seconds."""
         self.inflight -= 1
-        seconds = (time.perf_counter_ns() - call.start_pc) / 1e9
+        return (time.perf_counter_ns() - call.start_pc) / 1e9
+
+    def _settle(self, call: _Call, seconds: float, metadata: Any) -> None:
+        """Once the reply is on its way: a Tokenize's store write, then count and trace."""
+        if call.outcome is not None and call.code == "OK":
+            self._after_response(call, seconds, metadata)
+        else:
+            self._observe(call, seconds, metadata)
+
+    def _finish(self, call: _Call, context: Context) -> None:
+        seconds = self._end(call)
         metadata = context.invocation_metadata() if self.tracing.enabled else None
         if call.outcome is not None and call.code == "OK":
             # Write-behind: the store write runs once the handler has returned and
@@ -220,30 +231,21 @@ class TokenizerService(pb_grpc.TokenizerServicer):  # generated base class, unty
         if which == "text":
             text = request.text
             add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-            try:
-                data = text.encode("utf-8")
-            except UnicodeEncodeError as exc:
-                raise InvalidRequest("text", f"not valid Unicode at index {exc.start}") from exc
-            n_chars = len(text)
-            if request.text_base:
-                # A request delta: the text is a kept result's text + this suffix.
-                kept = self.results.text_of(request.text_base, request.cache_salt)
-                if kept is None:
-                    raise _StaleBase("text_base: this sidecar process does not hold that result "
-                                     "(restarted, evicted, or another worker); send the whole text")
-                data, n_chars = kept[0] + data, kept[1] + n_chars
         elif which == "chat":
             if request.text_base:
                 raise InvalidRequest("text_base", "is for text input only")
             text = self._render(call, engine, request.chat)
             add_special = request.add_special_tokens if request.HasField("add_special_tokens") else False
-            try:
-                data = text.encode("utf-8")
-            except UnicodeEncodeError as exc:
-                raise InvalidRequest("text", f"not valid Unicode at index {exc.start}") from exc
-            n_chars = len(text)
         else:
             raise InvalidRequest("input", "one of text or chat is required")
+        data, n_chars = utf8(text), len(text)
+        if request.text_base:
+            # A request delta: the text is a kept result's text + this suffix.
+            kept = self.results.text_of(request.text_base, request.cache_salt)
+            if kept is None:
+                raise _StaleBase("text_base: this sidecar process does not hold that result "
+                                 "(restarted, evicted, or another worker); send the whole text")
+            data, n_chars = kept[0] + data, kept[1] + n_chars
         if request.mode not in (0, *MODE_FROM_PROTO):
             raise InvalidRequest("mode", f"unknown mode {request.mode}")
         mode = MODE_FROM_PROTO.get(request.mode, self.default_mode)
@@ -327,17 +329,13 @@ class TokenizerService(pb_grpc.TokenizerServicer):  # generated base class, unty
             except Exception as exc:
                 code, message = self._status(call, exc)
                 reply = pb.TokenizeStreamResponse(error=pb.StreamError(code=code.name, message=message))
-            self.inflight -= 1
-            seconds = (time.perf_counter_ns() - call.start_pc) / 1e9
+            seconds = self._end(call)
             metadata = (_trace_metadata(msg) or context.invocation_metadata()) if self.tracing.enabled else None
             call.attrs["tokcache.transport"] = "stream"
             try:
                 await context.write(reply)
             finally:
-                if call.outcome is not None and call.code == "OK":
-                    self._after_response(call, seconds, metadata)
-                else:
-                    self._observe(call, seconds, metadata)
+                self._settle(call, seconds, metadata)
             if call.code == "UNAVAILABLE":
                 return
 

@@ -12,7 +12,7 @@ from sidecar_client import _core
 from sidecar_client._models import ModelInfo, RecordResult, RecordSummary, TokenizeResult
 from sidecar_client._results import ResultCache
 from sidecar_client._tokenize_stream import AsyncTokenizeStream
-from sidecar_client.errors import UnknownResultError, translate
+from sidecar_client.errors import translate
 from tokcache.v1 import tokenizer_pb2 as pb
 from tokcache.v1 import tokenizer_pb2_grpc as pb_grpc
 
@@ -54,13 +54,7 @@ class AsyncSidecarClient:
         def unary() -> Any:
             return self._call(self._stub.Tokenize, plan.req, timeout)
 
-        try:
-            resp = await self._stream.try_call(plan.sreq, wait, unary)
-        except UnknownResultError:
-            if not plan.resend_whole_text():
-                raise
-            resp = await self._stream.try_call(plan.sreq, wait, unary)
-        return plan.finish(resp)
+        return plan.finish(await self._stream.send(plan, wait, unary))
 
     async def render(self, model: str, messages: Sequence[Mapping[str, Any]], *,
                      tools: Sequence[Mapping[str, Any]] | None = None, add_generation_prompt: bool = False,

@@ -22,12 +22,15 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from sidecar_client.errors import DeadlineExceeded, from_status
+from sidecar_client.errors import DeadlineExceeded, UnknownResultError, from_status
 from tokcache.v1 import tokenizer_pb2 as pb
+
+if TYPE_CHECKING:
+    from sidecar_client._core import TokenizePlan
 
 __all__ = ["AsyncTokenizeStream", "SyncTokenizeStream", "STREAM_METHOD", "reply_response"]
 
@@ -71,6 +74,17 @@ class SyncTokenizeStream:
         self._expired = False
         self._closed = threading.Event()
         self._watchdog: threading.Thread | None = None
+
+    def send(self, plan: TokenizePlan, timeout: float | None,
+             unary: Callable[[], pb.TokenizeResponse]) -> pb.TokenizeResponse:
+        """The reply to ``plan``'s request (``unary`` sends ``plan.req``, raising client errors);
+        once more with the whole text when the sidecar lost the request delta's base."""
+        try:
+            return self.try_call(plan.sreq, timeout, unary)
+        except UnknownResultError:
+            if not plan.resend_whole_text():
+                raise
+            return self.try_call(plan.sreq, timeout, unary)
 
     def try_call(self, request: pb.TokenizeStreamRequest, timeout: float | None,
                  unary: Callable[[], pb.TokenizeResponse]) -> pb.TokenizeResponse:
@@ -167,6 +181,15 @@ class AsyncTokenizeStream:
         self._call_obj: Any = None
         self._busy = False
         self.enabled = True
+
+    async def send(self, plan: TokenizePlan, timeout: float | None, unary: Callable[[], Any]) -> pb.TokenizeResponse:
+        """See :meth:`SyncTokenizeStream.send`; ``unary()`` returns an awaitable."""
+        try:
+            return await self.try_call(plan.sreq, timeout, unary)
+        except UnknownResultError:
+            if not plan.resend_whole_text():
+                raise
+            return await self.try_call(plan.sreq, timeout, unary)
 
     async def try_call(self, request: pb.TokenizeStreamRequest, timeout: float | None,
                        unary: Callable[[], Any]) -> pb.TokenizeResponse:

@@ -140,17 +140,7 @@ class TextKeys:
             self._exact = h.digest(KEY_BYTES)
 
     def fill(self, lo: int, hi: int) -> None:
-        """Compute the L1 keys of boundaries ``lo <= i < hi`` in one running pass."""
+        """Compute the L1 keys of boundaries ``lo <= i < hi`` (one pass from ``lo`` if any is missing)."""
         lo = max(lo, 0)
-        if lo >= hi or all(k is not None for k in self._keys[lo:hi]):
-            return
-        data = memoryview(self._data)
-        h = self._base._h.copy()
-        prev = self._spans[lo][1]
-        h.update(data[:prev])
-        for i in range(lo, hi):
-            cut = self._spans[i][1]
-            h.update(data[prev:cut])
-            prev = cut
-            if self._keys[i] is None:
-                self._keys[i] = h.digest(KEY_BYTES)
+        if any(k is None for k in self._keys[lo:hi]):
+            self.scan_tail(lo, ar=False)

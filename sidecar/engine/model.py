@@ -43,7 +43,7 @@ from sidecar.store import Kind, Store, StoreError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Decision", "Limits", "ModelEngine", "Outcome", "RecordResult", "fingerprint_of"]
+__all__ = ["Decision", "Limits", "ModelEngine", "Outcome", "RecordResult", "fingerprint_of", "utf8"]
 
 # Keys of the last cuts are computed in one pass (a turn adds ~4-12 cuts);
 # also how many shorter cuts are tried when a winner's chain is broken.
@@ -63,6 +63,14 @@ def _segment_starts(piece: bytes) -> list[int]:
         starts.append(pos + 1)
         pos = piece.find(b"\n", pos + 1, _SEGMENT_HEADER_BYTES)
     return [s for s in starts if s < len(piece)]
+
+
+def utf8(text: str) -> bytes:
+    """``text`` as UTF-8; InvalidRequest naming ``text`` for a lone surrogate."""
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequest("text", f"not valid Unicode at index {exc.start}") from exc
 
 
 def fingerprint_of(tokenizer_json: Path) -> str:
@@ -121,7 +129,6 @@ class Outcome:
 
     ids: bytes
     decision: Decision
-    timings: dict[str, float] = field(default_factory=dict)
     # Writes the request's new cache entries (None: nothing to write). Run once.
     commit_step: Callable[[], None] | None = field(default=None, repr=False)
 
@@ -195,11 +202,7 @@ class ModelEngine:
         surrogates) and RequestTooLarge over the size limit. A failing store
         degrades to plain encoding; it never fails the request.
         """
-        try:
-            data = text.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise InvalidRequest("text", f"not valid Unicode at index {exc.start}") from exc
-        return self.tokenize_utf8(data, len(text), add_special_tokens=add_special_tokens, salt=salt, mode=mode,
+        return self.tokenize_utf8(utf8(text), len(text), add_special_tokens=add_special_tokens, salt=salt, mode=mode,
                                   defer_store=defer_store)
 
     def tokenize_utf8(self, data: bytes, n_chars: int, *, add_special_tokens: bool, salt: str = "",

@@ -39,7 +39,6 @@ from sidecar_client.errors import (
     SidecarUnavailable,
     TokcacheError,
     UnknownModelError,
-    UnknownResultError,
     translate,
 )
 from sidecar_client.vllm._breaker import BreakerState, CircuitBreaker
@@ -286,25 +285,14 @@ class SidecarLink:
             assert self._tstream is not None
             timeout = self.config.timeout_s
 
-            def unary() -> Any:
-                return stub.Tokenize(plan.req, timeout=timeout, metadata=tuple(trace) or None)
-
-            try:
-                # The open stream when free (half the per-call cost), else a unary call.
+            async def unary() -> Any:
                 try:
-                    resp = await self._tstream.try_call(plan.sreq, timeout, unary)
-                except UnknownResultError:
-                    if not plan.resend_whole_text():
-                        raise
-                    resp = await self._tstream.try_call(plan.sreq, timeout, unary)
-            except grpc.RpcError as exc:
-                err = translate(exc)
-                if not (isinstance(err, UnknownResultError) and plan.resend_whole_text()):
-                    return self._failed(err)
-                try:  # the unary call's FAILED_PRECONDITION: once more with the whole text
-                    resp = await unary()
-                except grpc.RpcError as exc2:
-                    return self._failed(translate(exc2))
+                    return await stub.Tokenize(plan.req, timeout=timeout, metadata=tuple(trace) or None)
+                except grpc.RpcError as exc:
+                    raise translate(exc) from exc
+
+            # The open stream when free (half the per-call cost), else a unary call.
+            resp = await self._tstream.send(plan, timeout, unary)
             result = plan.finish(resp)
         except asyncio.CancelledError:
             raise
