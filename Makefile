@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m sidecar.demo
+	$(PY) -m tokcache.sidecar.demo
 
 # The whole suite: unit + integration tests, then the real-vLLM end-to-end run.
 test: unit e2e

@@ -333,7 +333,7 @@ class TokcacheContender(Contender):
         return f"unix://{self.socket_path}"
 
     def _cli(self, *args: str) -> list[str]:
-        return [sys.executable, "-m", "sidecar.cli", *args]
+        return [sys.executable, "-m", "tokcache.sidecar.cli", *args]
 
     def start(self) -> None:
         try:

@@ -609,7 +609,7 @@ def load_renderer(tokenizer_dir: Path, fallback_dir: Path | None = None) -> Rend
 
 if __name__ == "__main__":  # quick look: python bench/conversations.py [seed]
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from sidecar.bundled import qwen3_dir
+    from tokcache.sidecar.bundled import qwen3_dir
 
     conv = generate(int(sys.argv[1]) if len(sys.argv) > 1 else 0, load_renderer(qwen3_dir()))
     for i, (text, kind) in enumerate(zip(conv.texts, conv.kinds, strict=True), 1):

@@ -120,7 +120,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="UTF-8 size of the last turn of a full conversation (default 57000)",
     )
     ap.add_argument("--seed", type=int, default=0, help="conversation i uses seed+i (default 0)")
-    ap.add_argument("--tokenizer-dir", type=Path, default=None, help="default: sidecar.bundled.qwen3_dir()")
+    ap.add_argument("--tokenizer-dir", type=Path, default=None, help="default: tokcache.sidecar.bundled.qwen3_dir()")
     ap.add_argument(
         "--add-special-tokens",
         action="store_true",
@@ -191,7 +191,7 @@ def start_all(entries: list[Entry]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from sidecar.bundled import qwen3_dir
+    from tokcache.sidecar.bundled import qwen3_dir
 
     default_dir = qwen3_dir()
     tok_dir = (args.tokenizer_dir or default_dir).resolve()

@@ -372,7 +372,7 @@ class Qwen3:
 
 
 class Sidecar:
-    """``python -m sidecar.cli serve`` on a private unix socket and shm prefix."""
+    """``python -m tokcache.sidecar.cli serve`` on a private unix socket and shm prefix."""
 
     def __init__(self, model_dir: Path) -> None:
         uid = f"pr{os.getpid()}x{int(time.time() * 1000) % 10**8}"
@@ -381,7 +381,7 @@ class Sidecar:
         self.sock = Path(f"/tmp/{self.prefix}.sock")
         self.address = f"unix://{self.sock}"
         self.log_path = self.tmp / "sidecar.log"
-        self.cmd = [sys.executable, "-m", "sidecar.cli", "serve", "--listen", self.address,
+        self.cmd = [sys.executable, "-m", "tokcache.sidecar.cli", "serve", "--listen", self.address,
                     "--model", f"{MODEL}={model_dir}", "--shm-size", "256MiB", "--shm-prefix", self.prefix]
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -669,7 +669,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     n_conv = ns.conversations or (1 if ns.quick else 3)
     n_turns = ns.turns or (5 if ns.quick else 12)
 
-    from sidecar.bundled import qwen3_dir
+    from tokcache.sidecar.bundled import qwen3_dir
 
     t0 = time.monotonic()
     qdir = qwen3_dir()

@@ -39,10 +39,10 @@ if str(ROOT) not in sys.path:
 
 import grpc  # noqa: E402
 
-from sidecar.config import parse_size  # noqa: E402
-from sidecar.store import read_stats  # noqa: E402
 from tests.stress import cgroup  # noqa: E402
 from tests.stress.harness import SidecarProc, channel, rss, stub, unlink_prefix  # noqa: E402
+from tokcache.sidecar.config import parse_size  # noqa: E402
+from tokcache.store import read_stats  # noqa: E402
 from tokcache.v1 import tokenizer_pb2 as pb  # noqa: E402
 
 WORDS = "alpha beta gamma delta token cache page kernel 你好 émigré 42 3.14 def return ( ) \n".split(" ")
@@ -150,8 +150,8 @@ def run_cgroup(args: argparse.Namespace) -> dict[str, Any]:
 
 def run_simulated(args: argparse.Namespace) -> dict[str, Any]:
     """The same phases on an in-process store, signals simulated (no cgroup available)."""
-    from sidecar.pressure import PressureMonitor, PressurePolicy, Signals
-    from sidecar.store import Kind, Store
+    from tokcache.sidecar.pressure import PressureMonitor, PressurePolicy, Signals
+    from tokcache.store import Kind, Store
 
     cap = parse_size(args.shm_size)
     prefix = f"tkpressure-{uuid.uuid4().hex[:8]}"

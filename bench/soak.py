@@ -36,8 +36,6 @@ if str(ROOT) not in sys.path:
 
 import grpc  # noqa: E402
 
-from sidecar.config import parse_size  # noqa: E402
-from sidecar.store import read_stats  # noqa: E402
 from tests.stress.harness import (  # noqa: E402
     Item,
     SidecarProc,
@@ -48,6 +46,8 @@ from tests.stress.harness import (  # noqa: E402
     stub,
     unlink_prefix,
 )
+from tokcache.sidecar.config import parse_size  # noqa: E402
+from tokcache.store import read_stats  # noqa: E402
 from tokcache.v1 import tokenizer_pb2 as pb  # noqa: E402
 
 _VOCAB_WORDS = (

@@ -1,4 +1,4 @@
-"""Micro-benchmark of sidecar.store: get miss, get hit (1 link / 40-link chain), put.
+"""Micro-benchmark of tokcache.store: get miss, get hit (1 link / 40-link chain), put.
 
 Builds a 40-turn conversation (~11k ids, one record per turn with 5 boundary keys each),
 as the engine would, then times each operation. Prints microseconds per call.
@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from blake3 import blake3
 
-from sidecar.store import Kind, Store
+from tokcache.store import Kind, Store
 
 TURNS = 40
 IDS_PER_TURN = 275  # 40 x 275 = 11,000 ids

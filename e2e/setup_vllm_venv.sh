@@ -77,7 +77,7 @@ EOF
 )
 WANT="$(printf '%s\n' "${DEPS[@]}" "${TEST_PKGS[@]}" "${TOKENIZER_PKGS[@]}")"
 if [[ -f "$PROJECT_STAMP" && "$(cat "$PROJECT_STAMP")" == "$WANT" ]] \
-    && "$VENV/bin/python" -c 'import sidecar_client.vllm, sidecar, pytest' >/dev/null 2>&1; then
+    && "$VENV/bin/python" -c 'import sidecar_client.vllm, tokcache.sidecar, pytest' >/dev/null 2>&1; then
     echo "[setup_vllm_venv] project already installed"
 else
     CHANGED=1

@@ -6,7 +6,7 @@ The server side. Clients use :mod:`sidecar_client`; the API is
 
 from __future__ import annotations
 
-from sidecar.config import Config, ConfigError, ModelSpec, load_config
+from tokcache.sidecar.config import Config, ConfigError, ModelSpec, load_config
 
 __all__ = ["Config", "ConfigError", "ModelSpec", "load_config"]
-__version__ = "0.1.0"
+from tokcache import __version__ as __version__

@@ -4,7 +4,7 @@
     tokcache-sidecar stats [--shm-prefix tokcache]
     tokcache-sidecar health [--address unix:///run/tokcache/tokcache.sock]
 
-Flags map 1:1 to :class:`sidecar.config.Config` fields; each also comes from
+Flags map 1:1 to :class:`tokcache.sidecar.config.Config` fields; each also comes from
 the config file (``--config``, TOML) and ``TOKCACHE_*`` variables.
 """
 
@@ -15,7 +15,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-from sidecar.config import ENV, ConfigError, load_config
+from tokcache.sidecar.config import ENV, ConfigError, load_config
 
 __all__ = ["main"]
 
@@ -77,21 +77,21 @@ def _serve(ns: argparse.Namespace) -> int:
     if not config.models:
         print("tokcache-sidecar: no models: give --model NAME=DIR (or TOKCACHE_MODELS)", file=sys.stderr)
         return 2
-    from sidecar.telemetry.logs import setup_logging
+    from tokcache.sidecar.telemetry.logs import setup_logging
 
     setup_logging(config.log_level, config.log_format)
     if config.workers > 1:
-        from sidecar.workers import supervise
+        from tokcache.sidecar.workers import supervise
 
         return supervise(config)
-    from sidecar.server import run  # grpc import only when serving
+    from tokcache.sidecar.server import run  # grpc import only when serving
 
     run(config)
     return 0
 
 
 def _stats(ns: argparse.Namespace) -> int:
-    from sidecar.store import read_stats
+    from tokcache.store import read_stats
 
     try:
         config = load_config({"shm_prefix": ns.shm_prefix})

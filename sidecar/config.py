@@ -122,7 +122,7 @@ class Config:
     log_format: str = "json"
     # --workers N: N server processes on one segment sharing a TCP port (SO_REUSEPORT).
     workers: int = 1
-    # Memory pressure (sidecar.pressure): seconds between checks (0 = off), the share of
+    # Memory pressure (tokcache.sidecar.pressure): seconds between checks (0 = off), the share of
     # the arena kept under pressure, and the thresholds that mean pressure.
     pressure_interval: float = 1.0
     pressure_low_watermark: float = 0.25

@@ -21,7 +21,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from sidecar.bundled import qwen3_dir
+from tokcache.sidecar.bundled import qwen3_dir
 
 TOOLS = [{
     "type": "function",
@@ -89,14 +89,14 @@ def _wait_for_socket(path: Path, proc: subprocess.Popen[bytes], timeout: float =
 def main() -> int:
     import tokenizers
 
-    from sidecar.engine.render import ChatRenderer
     from sidecar_client import SidecarClient, SidecarUnavailable
+    from tokcache.sidecar.engine.render import ChatRenderer
 
     model_dir = qwen3_dir()
     tmp = Path(tempfile.mkdtemp(prefix="tokcache-demo-"))
     sock = tmp / "tokcache.sock"
     prefix = f"tokcache-demo-{uuid.uuid4().hex[:8]}"
-    cmd = [sys.executable, "-m", "sidecar.cli", "serve", "--listen", f"unix://{sock}",
+    cmd = [sys.executable, "-m", "tokcache.sidecar.cli", "serve", "--listen", f"unix://{sock}",
            "--model", f"qwen3={model_dir}", "--shm-size", "64MiB", "--shm-prefix", prefix]
     print(f"$ tokcache-sidecar serve --listen unix://{sock} --model qwen3={model_dir} --shm-size 64MiB")
     log = (tmp / "sidecar.log").open("wb")

@@ -39,10 +39,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Final, TypeVar
 
-from sidecar.store import Store, StoreError
+from tokcache.store import Store, StoreError
 
 if TYPE_CHECKING:
-    from sidecar.config import Config
+    from tokcache.sidecar.config import Config
 
 log = logging.getLogger(__name__)
 

@@ -19,12 +19,12 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from sidecar.config import Config
-from sidecar.engine.model import Limits, ModelEngine, fingerprint_of
-from sidecar.pressure import PressureMonitor, PressurePolicy
-from sidecar.service import TokenizerService
-from sidecar.store import Kind, Store, id_bytes_for
-from sidecar.telemetry import Metrics, Tracing
+from tokcache.sidecar.config import Config
+from tokcache.sidecar.engine.model import Limits, ModelEngine, fingerprint_of
+from tokcache.sidecar.pressure import PressureMonitor, PressurePolicy
+from tokcache.sidecar.service import TokenizerService
+from tokcache.sidecar.telemetry import Metrics, Tracing
+from tokcache.store import Kind, Store, id_bytes_for
 from tokcache.v1 import tokenizer_pb2 as pb
 from tokcache.v1 import tokenizer_pb2_grpc as pb_grpc
 

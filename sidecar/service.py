@@ -29,11 +29,11 @@ from typing import Any, NoReturn
 
 import grpc
 
-from sidecar.engine.errors import EngineError, InvalidRequest, RequestTooLarge, UnknownModel
-from sidecar.engine.model import Decision, ModelEngine, Outcome, utf8
-from sidecar.results import MAX_KNOWN_RESULTS, ResultMemo
-from sidecar.telemetry import Metrics, Tracing
-from sidecar.wire import MODE_FROM_PROTO, chat_from_proto, source_to_proto, unpack_ids
+from tokcache.engine.errors import EngineError, InvalidRequest, RequestTooLarge, UnknownModel
+from tokcache.sidecar.engine.model import Decision, ModelEngine, Outcome, utf8
+from tokcache.sidecar.results import MAX_KNOWN_RESULTS, ResultMemo
+from tokcache.sidecar.telemetry import Metrics, Tracing
+from tokcache.sidecar.wire import MODE_FROM_PROTO, chat_from_proto, source_to_proto, unpack_ids
 from tokcache.v1 import tokenizer_pb2 as pb
 from tokcache.v1 import tokenizer_pb2_grpc as pb_grpc
 

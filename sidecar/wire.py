@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from sidecar.engine.errors import InvalidRequest
-from sidecar_client._core import unpack_ids  # the one decoder of the LE uint32 wire format
+from tokcache.engine.errors import InvalidRequest
+from tokcache.ids import unpack_ids
 from tokcache.v1 import tokenizer_pb2 as pb
 
 __all__ = ["MODE_FROM_PROTO", "chat_from_proto", "source_to_proto", "unpack_ids"]

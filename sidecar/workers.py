@@ -44,11 +44,11 @@ from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING, Final
 
-from sidecar.config import Config
+from tokcache.sidecar.config import Config
 
 if TYPE_CHECKING:
-    from sidecar.pressure import PressureMonitor
-    from sidecar.store import Store
+    from tokcache.sidecar.pressure import PressureMonitor
+    from tokcache.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -196,9 +196,9 @@ class Supervisor:
         """Open the segments and, if configured, run the pressure monitor on them."""
         from tokenizers import Tokenizer
 
-        from sidecar.engine.model import fingerprint_of
-        from sidecar.pressure import PressureMonitor, PressurePolicy
-        from sidecar.store import Kind, Store, id_bytes_for
+        from tokcache.sidecar.engine.model import fingerprint_of
+        from tokcache.sidecar.pressure import PressureMonitor, PressurePolicy
+        from tokcache.store import Kind, Store, id_bytes_for
 
         cfg = self.config
         ttl = {Kind.L0: cfg.ttl_l0, Kind.L1: cfg.ttl_l1, Kind.AR: cfg.ttl_ar}
@@ -240,20 +240,20 @@ def _die_with_parent(parent: int) -> None:
 def _worker_main(config: Config, index: int, parent: int) -> None:
     """Body of worker ``index`` (spawned): one server process that loads before it binds."""
     _die_with_parent(parent)
-    from sidecar.telemetry.logs import setup_logging
+    from tokcache.sidecar.telemetry.logs import setup_logging
 
     setup_logging(config.log_level, config.log_format)
     asyncio.run(_serve_worker(config, index))
 
 
 async def _serve_worker(config: Config, index: int) -> None:
-    """Like ``sidecar.server.run`` but models load *before* the port is joined: the kernel
+    """Like ``tokcache.sidecar.server.run`` but models load *before* the port is joined: the kernel
     routes connections to every listener in the group, so a worker that bound first would
     answer UNAVAILABLE while loading (a single server binds first so probes can see it;
     here the other workers serve meanwhile). SIGTERM drains as in a single server."""
     from grpc_health.v1 import health_pb2
 
-    from sidecar.server import SERVICE_NAME, Sidecar
+    from tokcache.sidecar.server import SERVICE_NAME, Sidecar
 
     sidecar = Sidecar(config)
     loop = asyncio.get_running_loop()

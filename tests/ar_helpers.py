@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sidecar.engine.model import ModelEngine
+from tokcache.sidecar.engine.model import ModelEngine
 
 
 def noncanonical(engine: ModelEngine, text: str, every: int = 1) -> list[int]:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.bundled import llama32_dir, qwen3_dir
+from tokcache.sidecar.bundled import llama32_dir, qwen3_dir
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import json
 import os
-import sys
-from array import array
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from sidecar_client._models import CacheDecision, ModelInfo, TokenizeResult
 from sidecar_client._results import ResultCache, group_of
 from sidecar_client.errors import InvalidArgumentError, SidecarInternalError
+from tokcache.ids import pack_ids as _pack_ids
+from tokcache.ids import unpack_ids
 from tokcache.v1 import tokenizer_pb2 as pb
 
 __all__ = ["ADDRESS_ENV", "TokenizePlan", "assemble_ids", "build_chat", "build_record", "build_tokenize",
@@ -162,15 +162,6 @@ def build_tokenize(model: str, *, text: str | None, messages: Sequence[Mapping[s
     return req
 
 
-def unpack_ids(data: bytes) -> list[int]:
-    """Little-endian uint32 bytes → list of ints."""
-    ids = array("I")
-    ids.frombytes(data)
-    if sys.byteorder != "little":
-        ids.byteswap()
-    return ids.tolist()
-
-
 def assemble_ids(resp: pb.TokenizeResponse, known: Mapping[bytes, tuple[int, ...]] | None) -> list[int]:
     """The reply's ids as a new list: unpacked, or a delta on a result the client offered.
 
@@ -221,12 +212,9 @@ def read_models(resp: pb.ListModelsResponse) -> list[ModelInfo]:
 def pack_ids(ids: Sequence[int], field: str) -> bytes:
     """ids → little-endian uint32 bytes; InvalidArgumentError names the field if one is out of range."""
     try:
-        out = array("I", ids)
+        return _pack_ids(ids)
     except (OverflowError, TypeError) as exc:
         raise _bad(field, f"ids must be integers in [0, 2**32): {exc}") from exc
-    if sys.byteorder != "little":
-        out.byteswap()
-    return out.tobytes()
 
 
 def build_record(model: str, *, prompt_text: str, prompt_token_ids: Sequence[int], output_text: str,

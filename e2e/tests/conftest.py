@@ -97,7 +97,7 @@ def shm_prefix() -> Iterator[str]:
 
 @pytest.fixture(scope="session")
 def llama_dir() -> Path:
-    from sidecar.bundled import llama32_dir
+    from tokcache.sidecar.bundled import llama32_dir
 
     return llama32_dir()
 

@@ -65,7 +65,7 @@ def _reap_group(pgid: int, timeout: float = 10.0) -> None:
 
 
 class Sidecar:
-    """``python -m sidecar.cli serve`` on a unix socket, in this interpreter's venv."""
+    """``python -m tokcache.sidecar.cli serve`` on a unix socket, in this interpreter's venv."""
 
     def __init__(self, workdir: Path, name: str, models: Mapping[str, Path], shm_prefix: str,
                  env: Mapping[str, str] | None = None) -> None:
@@ -73,7 +73,7 @@ class Sidecar:
         self.sock = workdir / f"{name}.sock"
         self.address = f"unix://{self.sock}"
         self.log_path = workdir / f"{name}.log"
-        self.cmd = [sys.executable, "-m", "sidecar.cli", "serve", "--listen", self.address,
+        self.cmd = [sys.executable, "-m", "tokcache.sidecar.cli", "serve", "--listen", self.address,
                     "--shm-prefix", shm_prefix, "--shm-size", "64MiB", "--log-level", "info"]
         for model, path in models.items():
             self.cmd += ["--model", f"{model}={path}"]

@@ -23,8 +23,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from sidecar.engine.errors import InvalidRequest
-from sidecar.engine.tokenbytes import TokenBytes
+from tokcache.engine.errors import InvalidRequest
+from tokcache.sidecar.engine.tokenbytes import TokenBytes
 
 __all__ = ["Segment", "VerifiedOutput", "segment_variants", "verify_output"]
 

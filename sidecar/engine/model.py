@@ -12,7 +12,7 @@ The lookup, for a text ``T`` with safe cuts ``c1 < … < cK``:
    the new text only: no prefix is ever copied.
 
 Correctness rests on two facts checked at load: cuts are only made after
-added tokens that passed :func:`~sidecar.engine.boundaries.check_boundaries`,
+added tokens that passed :func:`~tokcache.engine.boundaries.check_boundaries`,
 and the encoder passed the exactness suite against HF ``tokenizers``. The
 store returns either the bytes put for a key or nothing.
 """
@@ -30,16 +30,16 @@ from typing import Any
 
 from blake3 import blake3
 
-from sidecar.engine.affixes import Affixes, detect_affixes
-from sidecar.engine.ar import segment_variants, verify_output
-from sidecar.engine.boundaries import BoundaryCheck, BoundaryScanner, check_boundaries
-from sidecar.engine.encoder import EncoderChoice, _le, choose_encoder
-from sidecar.engine.errors import InvalidRequest, RequestTooLarge
-from sidecar.engine.keys import MODE_EXACT, MODE_KV_STABLE, KeyStream, TextKeys, segment_key
-from sidecar.engine.memo import ChainMemo
-from sidecar.engine.render import ChatRenderer
-from sidecar.engine.tokenbytes import TokenBytes
-from sidecar.store import Kind, Store, StoreError
+from tokcache.engine.affixes import Affixes, detect_affixes
+from tokcache.engine.boundaries import BoundaryCheck, BoundaryScanner, check_boundaries
+from tokcache.engine.encoder import EncoderChoice, _le, choose_encoder
+from tokcache.engine.errors import InvalidRequest, RequestTooLarge
+from tokcache.engine.memo import ChainMemo
+from tokcache.sidecar.engine.ar import segment_variants, verify_output
+from tokcache.sidecar.engine.render import ChatRenderer
+from tokcache.sidecar.engine.tokenbytes import TokenBytes
+from tokcache.store import Kind, Store, StoreError
+from tokcache.store.keys import MODE_EXACT, MODE_KV_STABLE, KeyStream, TextKeys, segment_key
 
 log = logging.getLogger(__name__)
 

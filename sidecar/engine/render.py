@@ -45,7 +45,7 @@ import jinja2.runtime
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from sidecar.engine.errors import InvalidRequest, TemplateError
+from tokcache.engine.errors import InvalidRequest, TemplateError
 
 __all__ = [
     "CHAT_TEMPLATE_DIR",

@@ -132,7 +132,7 @@ class Metrics:
         self._child(self.rpc_duration, method, code).observe(seconds)
 
     def observe_decision(self, model: str, d: Any) -> None:
-        """Count one Tokenize's decision (a sidecar.engine.model.Decision)."""
+        """Count one Tokenize's decision (a tokcache.sidecar.engine.model.Decision)."""
         child = self._child
         child(self.decisions, model, d.source).inc()
         for layer, hit in (("l0", d.l0_hit), ("l1", d.l1_hit), ("ar_prefix", d.ar_prefix_hit)):

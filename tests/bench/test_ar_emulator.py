@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
 from bench.ar_emulator import AREmulator, bytes_to_unicode
-from sidecar.bundled import llama32_dir, qwen3_dir
+from tokcache.sidecar.bundled import llama32_dir, qwen3_dir
 
 QWEN3_EOS = 151645
 

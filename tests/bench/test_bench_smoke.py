@@ -16,7 +16,7 @@ IN_PROCESS = ("tokenizers", "fastokens", "fastokens+seg")
 
 
 def _sidecar_missing() -> str | None:
-    for module in ("sidecar.cli", "sidecar_client"):
+    for module in ("tokcache.sidecar.cli", "sidecar_client"):
         try:
             if importlib.util.find_spec(module) is None:
                 return f"{module} is not importable yet"

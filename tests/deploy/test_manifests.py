@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from sidecar.config import ENV, Config, load_config
+from tokcache.sidecar.config import ENV, Config, load_config
 
 yaml = pytest.importorskip("yaml")
 
@@ -434,7 +434,7 @@ def test_dockerfile(rendered: dict[str, list[Obj]]) -> None:
 
 
 def _cli_help(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "sidecar.cli", *args, "--help"],
+    return subprocess.run([sys.executable, "-m", "tokcache.sidecar.cli", *args, "--help"],
                           capture_output=True, text=True, timeout=60, cwd=ROOT, check=False)
 
 

@@ -226,7 +226,7 @@ def test_server_alive_correct_and_bounded(sidecar: SidecarProc, ch: grpc.Channel
     import tokenizers
 
     assert sidecar.alive()
-    from sidecar.bundled import qwen3_dir
+    from tokcache.sidecar.bundled import qwen3_dir
 
     ref = tokenizers.Tokenizer.from_file(str(qwen3_dir() / "tokenizer.json"))
     text = "<|im_start|>user\nstill fine? 你好 🎉<|im_end|>\n"

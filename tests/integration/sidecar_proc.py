@@ -20,7 +20,7 @@ class SidecarProcess:
         self.sock = tmp / "tokcache.sock"
         self.address = f"unix://{self.sock}"
         self.log_path = tmp / "sidecar.log"
-        self.cmd = [sys.executable, "-m", "sidecar.cli", "serve", "--listen", self.address,
+        self.cmd = [sys.executable, "-m", "tokcache.sidecar.cli", "serve", "--listen", self.address,
                     "--shm-prefix", shm_prefix, "--shm-size", "32MiB", *extra]
         for name, path in models.items():
             self.cmd += ["--model", f"{name}={path}"]

@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from sidecar.engine.model import ModelEngine
 from sidecar_client import AsyncSidecarClient, InvalidArgumentError, OutputAssembler, SidecarClient
 from tests.ar_helpers import noncanonical
 from tests.integration.sidecar_proc import SidecarProcess
+from tokcache.sidecar.engine.model import ModelEngine
 
 ANSWERS = ["Step one:\n\n    run `make`\n\n", "Result: 100 passed\n\n\n  ok", "完成了。\n\n🎉 Done."]
 

@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 
-from sidecar.engine.errors import InvalidRequest
-from sidecar.engine.model import ModelEngine
-from sidecar.store import Store
+from tokcache.engine.errors import InvalidRequest
+from tokcache.sidecar.engine.model import ModelEngine
+from tokcache.store import Store
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "vllm_qwen3_chat.json"
 

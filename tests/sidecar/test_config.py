@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.config import Config, ConfigError, ModelSpec, load_config, parse_size
+from tokcache.sidecar.config import Config, ConfigError, ModelSpec, load_config, parse_size
 
 
 def test_sizes() -> None:

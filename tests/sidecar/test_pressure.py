@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from sidecar.pressure import PressureMonitor, PressurePolicy, SignalReader, Signals, State
-from sidecar.store import Kind, Store
-from tests.sidecar.store.store_helpers import FINGERPRINT, ids_of, key
+from tests.tokcache.store.store_helpers import FINGERPRINT, ids_of, key
+from tokcache.sidecar.pressure import PressureMonitor, PressurePolicy, SignalReader, Signals, State
+from tokcache.store import Kind, Store
 
 SIZE = 4 << 20
 GIB = 1 << 30

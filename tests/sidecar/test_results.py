@@ -7,7 +7,7 @@ from array import array
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sidecar.results import MIN_DELTA_IDS, ResultMemo, common_prefix_ids
+from tokcache.sidecar.results import MIN_DELTA_IDS, ResultMemo, common_prefix_ids
 
 
 def _pack(ids: list[int]) -> bytes:

@@ -258,7 +258,7 @@ def run_crash_cycles(
         final.stop()
     finally:
         final.kill()
-    from sidecar.store import read_stats
+    from tokcache.store import read_stats
 
     stats = read_stats(prefix)
     if stats:

@@ -27,7 +27,7 @@ from typing import Any
 
 import grpc
 
-from sidecar.bundled import qwen3_dir
+from tokcache.sidecar.bundled import qwen3_dir
 from tokcache.v1 import tokenizer_pb2 as pb
 from tokcache.v1 import tokenizer_pb2_grpc as pb_grpc
 
@@ -160,7 +160,7 @@ class SidecarProc:
         self.address = listen if listen.startswith("unix://") else listen
         self.log_path = tmp / "sidecar.log"
         self.prefix = prefix
-        self.cmd = [sys.executable, "-m", "sidecar.cli", "serve", "--listen", listen, "--shm-prefix", prefix,
+        self.cmd = [sys.executable, "-m", "tokcache.sidecar.cli", "serve", "--listen", listen, "--shm-prefix", prefix,
                     "--shm-size", shm_size, "--workers", str(workers), "--log-format", "text", *extra]
         for name, path in (models or {"qwen3": qwen3_dir()}).items():
             self.cmd += ["--model", f"{name}={path}"]

@@ -24,8 +24,8 @@ def main() -> int:
     rate = float(sys.argv[4]) if len(sys.argv) > 4 else 8.0
     with open(procs, "w") as f:
         f.write(str(os.getpid()))
-    from sidecar.pressure import PressureMonitor, PressurePolicy, SignalReader
-    from sidecar.store import Kind, Store
+    from tokcache.sidecar.pressure import PressureMonitor, PressurePolicy, SignalReader
+    from tokcache.store import Kind, Store
 
     store = Store.open(prefix=prefix, fingerprint=uuid.uuid4().hex, size=size)
     reader = SignalReader()

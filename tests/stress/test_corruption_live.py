@@ -7,8 +7,8 @@ import random
 import uuid
 from pathlib import Path
 
-from sidecar.store._layout import HEADER_SIZE, geometry_for
 from tests.stress.harness import SidecarProc, Workload, channel, stub, unlink_prefix
+from tokcache.store._layout import HEADER_SIZE, geometry_for
 from tokcache.v1 import tokenizer_pb2 as pb
 
 SIZE = 4 << 20

@@ -13,7 +13,7 @@ from tokcache.v1 import tokenizer_pb2 as pb
 
 READER = """
 import json, sys, time
-from sidecar.store import DirectLookup
+from tokcache.store import DirectLookup
 prefix, fingerprint, queries = sys.argv[1], sys.argv[2], json.loads(sys.stdin.read())
 with DirectLookup(prefix=prefix, fingerprint=fingerprint) as lookup:
     out = [lookup.get_ids(q["text"], salt=q["salt"], mode=q["mode"]) for q in queries]

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import grpc
 
-from sidecar.store import read_stats
 from tests.stress.harness import SidecarProc, Workload, channel, cpu_ticks, stub, unlink_prefix
+from tokcache.store import read_stats
 
 
 def _load(address: str, workload: Workload, connections: int, rounds: int) -> tuple[int, int, int]:

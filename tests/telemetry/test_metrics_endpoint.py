@@ -101,10 +101,10 @@ def test_dashboard_uses_only_real_metrics() -> None:
 
 def test_health_command(sidecar: tuple[SidecarProcess, int], tmp_path: Path) -> None:
     proc, _ = sidecar
-    ok = subprocess.run([sys.executable, "-m", "sidecar.cli", "health", "--address", proc.address],
+    ok = subprocess.run([sys.executable, "-m", "tokcache.sidecar.cli", "health", "--address", proc.address],
                         capture_output=True, text=True, timeout=30)
     assert ok.returncode == 0 and ok.stdout.strip() == "SERVING"
-    bad = subprocess.run([sys.executable, "-m", "sidecar.cli", "health", "--address", f"unix://{tmp_path}/x.sock",
+    bad = subprocess.run([sys.executable, "-m", "tokcache.sidecar.cli", "health", "--address", f"unix://{tmp_path}/x.sock",
                           "--timeout", "1"], capture_output=True, text=True, timeout=30)
     assert bad.returncode == 1 and "unhealthy" in bad.stderr
 

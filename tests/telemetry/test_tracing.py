@@ -13,12 +13,12 @@ import pytest
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from sidecar.engine.model import ModelEngine
-from sidecar.service import TokenizerService
-from sidecar.store import Store
-from sidecar.telemetry import Metrics, Tracing, exporter_from_env
 from sidecar_client import AsyncSidecarClient, UnknownModelError
 from tests.ar_helpers import noncanonical
+from tokcache.sidecar.engine.model import ModelEngine
+from tokcache.sidecar.service import TokenizerService
+from tokcache.sidecar.telemetry import Metrics, Tracing, exporter_from_env
+from tokcache.store import Store
 from tokcache.v1 import tokenizer_pb2_grpc as pb_grpc
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from sidecar.engine.model import fingerprint_of
 from sidecar_client.vllm._fingerprint import find_tokenizer_json, fingerprint_file
+from tokcache.sidecar.engine.model import fingerprint_of
 
 
 @pytest.mark.parametrize("which", ["qwen3", "llama32"])

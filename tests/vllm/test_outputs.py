@@ -7,7 +7,6 @@ from dataclasses import dataclass
 import pytest
 from tokenizers import Tokenizer
 
-from sidecar.bundled import qwen3_dir
 from sidecar_client.vllm._outputs import (
     ChoiceAssembler,
     FinishedChoice,
@@ -15,6 +14,7 @@ from sidecar_client.vllm._outputs import (
     held_back_tokens,
     skip_reason,
 )
+from tokcache.sidecar.bundled import qwen3_dir
 
 
 @dataclass

@@ -26,6 +26,7 @@ DEFAULT_TIMEOUT_MS = 200.0
 DEFAULT_BREAKER_FAILURES = 5
 DEFAULT_BREAKER_RESET_S = 5.0
 DEFAULT_RECORD_QUEUE = 1024
+DEFAULT_RECORD_WAIT_MS = 1000.0
 
 # field -> environment variable (the only place these names appear)
 ENV: dict[str, str] = {
@@ -35,6 +36,7 @@ ENV: dict[str, str] = {
     "breaker_failures": "TOKCACHE_BREAKER_FAILURES",
     "breaker_reset_s": "TOKCACHE_BREAKER_RESET_S",
     "record_queue": "TOKCACHE_RECORD_QUEUE",
+    "record_wait_ms": "TOKCACHE_RECORD_WAIT_MS",
     "disable": "TOKCACHE_DISABLE",
 }
 
@@ -59,7 +61,9 @@ class PluginConfig:
 
     ``timeout_s`` is the deadline of each Tokenize (the request waits at most
     this long before vLLM's own tokenizer takes over); recording is not on the
-    request path and gets :attr:`record_timeout_s`.
+    request path and gets :attr:`record_timeout_s`. ``record_wait_s`` bounds how long
+    a finishing response waits for its record to reach the sidecar (0: never waits;
+    the next turn may then miss the record in another API server process).
     """
 
     address: str = DEFAULT_ADDRESS
@@ -69,6 +73,7 @@ class PluginConfig:
     breaker_reset_s: float = DEFAULT_BREAKER_RESET_S
     record_queue: int = DEFAULT_RECORD_QUEUE
     disabled: bool = False
+    record_wait_s: float = DEFAULT_RECORD_WAIT_MS / 1000.0
 
     def __post_init__(self) -> None:
         if not self.address:
@@ -81,6 +86,8 @@ class PluginConfig:
             raise PluginConfigError(ENV["breaker_failures"], f"must be >= 1, got {self.breaker_failures}")
         if not self.breaker_reset_s > 0:
             raise PluginConfigError(ENV["breaker_reset_s"], f"must be > 0, got {self.breaker_reset_s:g}")
+        if not self.record_wait_s >= 0:
+            raise PluginConfigError(ENV["record_wait_ms"], f"must be >= 0, got {self.record_wait_s * 1000:g} ms")
         if self.record_queue < 1:
             raise PluginConfigError(ENV["record_queue"], f"must be >= 1, got {self.record_queue}")
 
@@ -107,6 +114,7 @@ class PluginConfig:
             breaker_reset_s=_float(ENV["breaker_reset_s"], get("breaker_reset_s"), DEFAULT_BREAKER_RESET_S),
             record_queue=_int(ENV["record_queue"], get("record_queue"), DEFAULT_RECORD_QUEUE),
             disabled=_flag(ENV["disable"], env.get(ENV["disable"], "")),
+            record_wait_s=_float(ENV["record_wait_ms"], get("record_wait_ms"), DEFAULT_RECORD_WAIT_MS) / 1000.0,
         )
 
 

@@ -1,7 +1,7 @@
 """The tokenizer fingerprint of vLLM's own tokenizer, computed as the sidecar does.
 
 The sidecar identifies a tokenizer by ``blake3(tokenizer.json bytes).hexdigest(16)``
-(``sidecar.engine.model.fingerprint_of``); this module repeats that formula
+(``tokcache.sidecar.engine.model.fingerprint_of``); this module repeats that formula
 without importing the server package, and finds the ``tokenizer.json`` vLLM
 loaded: a local model directory, or the Hugging Face hub cache.
 """

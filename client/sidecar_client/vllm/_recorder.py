@@ -6,10 +6,15 @@ stream per (model, trace context). When the queue is full the new record is
 dropped and counted: a slow or dead sidecar costs cache entries, never stream
 latency. Everything runs on one event loop (no locks).
 
-Read-your-writes: an agent may send the next turn the moment a response ends,
-before that turn's record reached the sidecar. :meth:`RecordQueue.wait_related`
-lets the next Tokenize wait (bounded) for a pending record whose prompt +
-output the new text continues; unrelated prompts never wait.
+Read-your-writes, across processes: an agent sends the next turn the moment a
+response ends, and with several API servers that turn may land in another
+process. So the response itself waits (bounded) for its record: each record
+carries a ``done`` future, resolved when its batch was answered, and the
+generate wrapper holds back the output that finishes a choice until then
+(``PluginRuntime.wait_records``). Within one process,
+:meth:`RecordQueue.wait_related` also lets a Tokenize wait for a pending record
+whose prompt + output the new text continues (the case where the response's
+wait timed out); unrelated prompts never wait.
 """
 
 from __future__ import annotations
@@ -37,11 +42,18 @@ SendBatch = Callable[[str, list[Mapping[str, Any]], TraceMetadata], Awaitable[No
 
 @dataclass(frozen=True)
 class PendingRecord:
-    """One finished choice waiting to be sent (keyword arguments of ``record_output``)."""
+    """One finished choice waiting to be sent (keyword arguments of ``record_output``).
+
+    ``done`` (optional) is resolved once the batch holding this record has been answered
+    by the sidecar (recorded or refused) or has failed: the response that produced the
+    record may wait on it, so that a client which has the response finds the record in
+    the shared cache from any process on the node.
+    """
 
     model: str
     record: Mapping[str, Any]
     trace: TraceMetadata = ()
+    done: asyncio.Future[None] | None = None
 
 
 class RecordQueue:
@@ -68,6 +80,8 @@ class RecordQueue:
         """Queue ``item``; False (and counted as dropped) if the queue is full or closed."""
         if self._closed or len(self._items) >= self.bound:
             self._stats.records["dropped"] += 1
+            if item.done is not None and not item.done.done():
+                item.done.set_result(None)  # nobody waits for a record that will never be sent
             return False
         self._items.append(item)
         self._stats.records["queued"] += 1
@@ -116,6 +130,9 @@ class RecordQueue:
                     self._stats.records["failed"] += len(records)
                     log.debug("tokcache: dropping %d record(s): %r", len(records), exc)
         finally:
+            for item in self._inflight:
+                if item.done is not None and not item.done.done():
+                    item.done.set_result(None)
             self._inflight = []
             progress, self._progress = self._progress, None
             if progress is not None:

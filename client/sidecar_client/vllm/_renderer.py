@@ -188,7 +188,11 @@ def install_generate_wrapper(runtime: PluginRuntime) -> None:
         try:
             async for out in inner:
                 if recorder is not None:
-                    recorder.feed(getattr(out, "outputs", ()))
+                    waits = recorder.feed(getattr(out, "outputs", ()))
+                    if waits:
+                        # The output that finishes a choice waits for its record: once the
+                        # client has the response, every process on the node finds it.
+                        await runtime.wait_records(waits)
                 yield out
         finally:
             # Closing our generator (client went away) must abort vLLM's request now, not at GC.

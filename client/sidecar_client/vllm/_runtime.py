@@ -8,7 +8,9 @@ is testable without vLLM; ``_renderer.py`` adapts vLLM's objects to them.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,6 +78,20 @@ class PluginRuntime:
                         add_special_tokens=add_special_tokens)
         return outcome.token_ids
 
+    async def wait_records(self, waits: Sequence[asyncio.Future[None]]) -> None:
+        """Wait until the records of a finishing response were answered by the sidecar.
+
+        Bounded by ``record_wait_s``; never raises (cancellation aside). Called before the
+        output that finishes a choice is handed to vLLM, so a client that has the response
+        finds its record in the node's shared cache from any process.
+        """
+        pending = [f for f in waits if not f.done()]
+        if not pending or self.config.record_wait_s <= 0:
+            return
+        t0 = time.perf_counter()
+        _, still = await asyncio.wait(pending, timeout=self.config.record_wait_s)
+        self.stats.observe_record_wait(time.perf_counter() - t0, timed_out=bool(still))
+
     def start_request(self, prompt: Any, *, delta: bool,
                       trace_headers: Mapping[str, str] | None) -> RequestRecorder | None:
         """A recorder for a request whose prompt the sidecar tokenized, else None (counted).
@@ -115,14 +131,20 @@ class RequestRecorder:
     def __post_init__(self) -> None:
         self._assembler = ChoiceAssembler(delta=self.delta)
 
-    def feed(self, outputs: Sequence[CompletionLike]) -> None:
-        """Take one ``RequestOutput.outputs``. Never raises."""
+    def feed(self, outputs: Sequence[CompletionLike]) -> list[asyncio.Future[None]]:
+        """Take one ``RequestOutput.outputs``; the records it queued (see
+        :meth:`PluginRuntime.wait_records`). Never raises."""
+        waits: list[asyncio.Future[None]] = []
         try:
             finished = self._assembler.feed(outputs)
         except Exception:
             log.exception("tokcache: could not read vLLM's outputs; not recording this request")
             self._assembler = ChoiceAssembler(delta=self.delta)
-            return
+            return waits
+        try:
+            loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
         stats = self.runtime.stats
         for choice in finished:
             reason = skip_reason(choice)
@@ -143,4 +165,7 @@ class RequestRecorder:
                       "output_text": choice.text, "output_token_ids": ids,
                       "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason,
                       "cache_salt": self.cache_salt, "prompt_add_special_tokens": self.add_special_tokens}
-            self.runtime.recorder.offer(PendingRecord(self.model, record, self.trace))
+            done = loop.create_future() if loop is not None else None
+            if self.runtime.recorder.offer(PendingRecord(self.model, record, self.trace, done)) and done is not None:
+                waits.append(done)
+        return waits

@@ -10,7 +10,7 @@ multiprocess registry and these are not exported).
 from __future__ import annotations
 
 import logging
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -40,13 +40,28 @@ class PluginStats:
     cached_tokens: int = 0
     ar_spliced_tokens: int = 0
     record_waits: int = 0
+    # Responses that waited for their record (see PluginRuntime.wait_records): how many,
+    # how many timed out, total seconds, and the most recent durations (for percentiles).
+    response_waits: int = 0
+    response_wait_timeouts: int = 0
+    response_wait_seconds: float = 0.0
+    recent_response_waits: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
+
+    def observe_record_wait(self, seconds: float, *, timed_out: bool) -> None:
+        """Count one response that waited ``seconds`` for its records."""
+        self.response_waits += 1
+        self.response_wait_timeouts += timed_out
+        self.response_wait_seconds += seconds
+        self.recent_response_waits.append(seconds)
 
     def snapshot(self) -> dict[str, Any]:
         """A JSON-able copy (for logs and tests)."""
         return {"tokenize": dict(self.tokenize), "fallbacks": dict(self.fallbacks),
                 "records": dict(self.records), "record_skips": dict(self.record_skips),
                 "cached_tokens": self.cached_tokens, "ar_spliced_tokens": self.ar_spliced_tokens,
-                "record_waits": self.record_waits}
+                "record_waits": self.record_waits, "response_waits": self.response_waits,
+                "response_wait_timeouts": self.response_wait_timeouts,
+                "response_wait_seconds": self.response_wait_seconds}
 
 
 class StatusLike(Protocol):
@@ -125,6 +140,12 @@ def _families(stats: PluginStats, status: StatusLike, counter: Any, gauge: Any) 
                   value=stats.ar_spliced_tokens)
     yield counter("tokcache_vllm_record_waits", "Tokenize calls that first waited for the previous turn's record",
                   value=stats.record_waits)
+    yield counter("tokcache_vllm_response_waits", "Responses held until their records reached the sidecar",
+                  value=stats.response_waits)
+    yield counter("tokcache_vllm_response_wait_timeouts", "Responses released before their records were answered",
+                  value=stats.response_wait_timeouts)
+    yield counter("tokcache_vllm_response_wait_seconds", "Seconds responses were held for their records",
+                  value=stats.response_wait_seconds)
     state = gauge("tokcache_vllm_breaker_state", "Circuit breaker: 0 closed, 1 half-open, 2 open")
     state.add_metric([], BREAKER_STATES.get(status.breaker, -1))
     yield state

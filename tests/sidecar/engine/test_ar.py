@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from sidecar.engine.errors import InvalidRequest
-from sidecar.engine.model import ModelEngine
-from sidecar.store import Store
 from tests.ar_helpers import noncanonical
+from tokcache.engine.errors import InvalidRequest
+from tokcache.sidecar.engine.model import ModelEngine
+from tokcache.store import Store
 
 ANSWER = ("Sure.\n\nHere is the fix:\n\n```python\n    if not value:\n        continue\n```\n\n"
           "  Done: 12345 items, 你好 🎉.")

@@ -17,9 +17,9 @@ import tokenizers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sidecar.engine.model import ModelEngine
-from sidecar.store import Store
 from tests.strategies import conversations, prompt_text
+from tokcache.sidecar.engine.model import ModelEngine
+from tokcache.store import Store
 
 SETTINGS = settings(max_examples=120, deadline=None,
                     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])

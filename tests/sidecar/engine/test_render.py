@@ -20,9 +20,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sidecar.bundled import llama32_dir
-from sidecar.engine.errors import InvalidRequest, TemplateError
-from sidecar.engine.render import ChatRenderer, TemplateContext
+from tokcache.engine.errors import InvalidRequest, TemplateError
+from tokcache.sidecar.bundled import llama32_dir
+from tokcache.sidecar.engine.render import ChatRenderer, TemplateContext
 
 transformers = pytest.importorskip("transformers")
 

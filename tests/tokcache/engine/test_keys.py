@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sidecar.engine.keys import MODE_EXACT, MODE_KV_STABLE, KeyStream, TextKeys
+from tokcache.store.keys import MODE_EXACT, MODE_KV_STABLE, KeyStream, TextKeys
 
 
 def _reference(data: bytes, spans: list[tuple[int, int]], salt: str,

@@ -12,10 +12,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sidecar.store import DirectLookup, Kind, SegmentMismatch, Store, StoreReader, _layout, id_bytes_for, l0_key
-from sidecar.store._layout import ID_WIDTHS, U32_MAX, narrow, record_size, widen
-from sidecar.store._segment import shm_path
-from tests.sidecar.store.store_helpers import FINGERPRINT, key
+from tests.tokcache.store.store_helpers import FINGERPRINT, key
+from tokcache.store import DirectLookup, Kind, SegmentMismatch, Store, StoreReader, _layout, id_bytes_for, l0_key
+from tokcache.store._layout import ID_WIDTHS, U32_MAX, narrow, record_size, widen
+from tokcache.store._segment import shm_path
 
 Open = Callable[..., Store]
 both_widths = pytest.mark.parametrize("id_bytes", ID_WIDTHS)

@@ -1,4 +1,4 @@
-"""Errors raised by :mod:`sidecar.store`.
+"""Errors raised by :mod:`tokcache.store`.
 
 Hierarchy::
 

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from sidecar.engine.encoder import Encoder
+from tokcache.engine.encoder import Encoder
 
 log = logging.getLogger(__name__)
 

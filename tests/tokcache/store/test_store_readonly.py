@@ -12,8 +12,9 @@ from collections.abc import Callable
 
 import pytest
 
-from sidecar.engine.keys import MODE_EXACT, MODE_KV_STABLE, KeyStream
-from sidecar.store import (
+from tests.tokcache.store import store_helpers as helpers
+from tests.tokcache.store.store_helpers import FINGERPRINT, conversations, expected, ids_of, key, put_turn
+from tokcache.store import (
     DirectLookup,
     Kind,
     SegmentError,
@@ -23,10 +24,9 @@ from sidecar.store import (
     l0_key,
     read_stats,
 )
-from sidecar.store._layout import ID_WIDTHS
-from sidecar.store._segment import shm_path, temp_name
-from tests.sidecar.store import store_helpers as helpers
-from tests.sidecar.store.store_helpers import FINGERPRINT, conversations, expected, ids_of, key, put_turn
+from tokcache.store._layout import ID_WIDTHS
+from tokcache.store._segment import shm_path, temp_name
+from tokcache.store.keys import MODE_EXACT, MODE_KV_STABLE, KeyStream
 
 Open = Callable[..., Store]
 SPAWN = multiprocessing.get_context("spawn")
@@ -148,7 +148,7 @@ def test_read_stats_reports_unreadable_segments(open_store: Open, shm_prefix: st
 def test_stats_command_prints_json(open_store: Open, shm_prefix: str) -> None:
     open_store()
     out = subprocess.run(
-        [sys.executable, "-m", "sidecar.cli", "stats", "--shm-prefix", shm_prefix],
+        [sys.executable, "-m", "tokcache.sidecar.cli", "stats", "--shm-prefix", shm_prefix],
         capture_output=True,
         text=True,
         timeout=60,

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from sidecar.engine.model import ModelEngine
-from sidecar.store import Kind, LockTimeout, Store
-from tests.sidecar.store.store_helpers import FINGERPRINT
+from tests.tokcache.store.store_helpers import FINGERPRINT
+from tokcache.sidecar.engine.model import ModelEngine
+from tokcache.store import Kind, LockTimeout, Store
 
 
 @pytest.fixture(scope="module")

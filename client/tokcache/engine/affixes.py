@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from sidecar.engine.encoder import Encoder
+from tokcache.engine.encoder import Encoder
 
 __all__ = ["Affixes", "detect_affixes"]
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from sidecar.engine.boundaries import BoundaryScanner, check_boundaries
-from sidecar.engine.encoder import TokenizersEncoder
+from tokcache.engine.boundaries import BoundaryScanner, check_boundaries
+from tokcache.engine.encoder import TokenizersEncoder
 
 CORPUS = ["hello world", "the quick brown fox", "word word words", "你好 世界", "12 34 56",
           "end. Start", "tabs\tand spaces  x", "newlines\n\nfoo"] * 20

@@ -1,8 +1,8 @@
 """Client-side L0 lookups: a co-located process reads the sidecar's segment, no RPC.
 
 The key of a whole text is computed exactly as the engine computes it
-(:class:`sidecar.engine.keys.KeyStream`: salt, mode, text, then the L0 suffix), and the
-segment is mapped read-only (:class:`~sidecar.store._reader.StoreReader`), so a hit
+(:class:`tokcache.store.keys.KeyStream`: salt, mode, text, then the L0 suffix), and the
+segment is mapped read-only (:class:`~tokcache.store._reader.StoreReader`), so a hit
 costs a hash and a verified copy — no socket, no server CPU — and a miss costs the same
 before the caller falls back to the RPC. What a hit returns is exactly what the sidecar
 put for that text: a corrupt, evicted or expired entry is a miss.
@@ -22,7 +22,7 @@ from array import array
 from collections.abc import Callable
 from typing import Final
 
-from sidecar.engine.keys import MODE_EXACT, MODE_KV_STABLE, KeyStream
+from tokcache.store.keys import MODE_EXACT, MODE_KV_STABLE, KeyStream
 
 from ._reader import StoreReader
 from ._store import segment_name

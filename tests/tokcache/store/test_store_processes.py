@@ -10,10 +10,10 @@ from collections.abc import Callable
 import posix_ipc
 import pytest
 
-from sidecar.store import Kind, LockTimeout, Store, _lock
-from sidecar.store._layout import ID_WIDTHS
-from tests.sidecar.store import store_helpers as helpers
-from tests.sidecar.store.store_helpers import conversations, expected, ids_of, key, put_turn
+from tests.tokcache.store import store_helpers as helpers
+from tests.tokcache.store.store_helpers import conversations, expected, ids_of, key, put_turn
+from tokcache.store import Kind, LockTimeout, Store, _lock
+from tokcache.store._layout import ID_WIDTHS
 
 Open = Callable[..., Store]
 SPAWN = multiprocessing.get_context("spawn")

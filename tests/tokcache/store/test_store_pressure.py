@@ -8,10 +8,10 @@ from collections.abc import Callable
 
 import pytest
 
-from sidecar.store import Kind, Store
-from sidecar.store._segment import shm_path
-from tests.sidecar.store import store_helpers as helpers
-from tests.sidecar.store.store_helpers import ids_of, key
+from tests.tokcache.store import store_helpers as helpers
+from tests.tokcache.store.store_helpers import ids_of, key
+from tokcache.store import Kind, Store
+from tokcache.store._segment import shm_path
 
 Open = Callable[..., Store]
 SIZE = 4 << 20
@@ -116,7 +116,7 @@ def test_soft_cap_floor_and_garbage(open_store: Open) -> None:
     with pytest.raises(ValueError):
         store.set_soft_cap(-1)
     # A stray write of a value no writer stores means "no soft cap".
-    from sidecar.store._layout import W_SOFT_CAP
+    from tokcache.store._layout import W_SOFT_CAP
 
     with open(shm_path(store.name), "r+b") as f:
         f.seek(W_SOFT_CAP * 8)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from sidecar.engine.memo import ChainMemo
-from sidecar.store import Kind, Store
+from tokcache.engine.memo import ChainMemo
+from tokcache.store import Kind, Store
 
 KEY = bytes(range(1, 17))
 PARENT = bytes(range(2, 18))

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from sidecar.store import Kind, Store
-from tests.sidecar.store.store_helpers import FakeClock, ids_of, key
+from tests.tokcache.store.store_helpers import FakeClock, ids_of, key
+from tokcache.store import Kind, Store
 
 Open = Callable[..., Store]
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
-from sidecar.store import Store
+from tokcache.store import Store
 
 __all__ = ["ChainMemo"]
 

@@ -16,8 +16,8 @@ from multiprocessing.synchronize import Barrier, Event
 
 from blake3 import blake3
 
-from sidecar.store import Kind, Store
-from sidecar.store._segment import shm_path
+from tokcache.store import Kind, Store
+from tokcache.store._segment import shm_path
 
 FINGERPRINT = "0123456789abcdef0123456789abcdef"
 

@@ -7,10 +7,7 @@ from collections.abc import Callable
 
 import pytest
 
-from sidecar.store import Kind, Store
-from sidecar.store._layout import ID_WIDTHS
-from sidecar.store._segment import shm_path
-from tests.sidecar.store.store_helpers import (
+from tests.tokcache.store.store_helpers import (
     FakeClock,
     conversations,
     expected,
@@ -20,6 +17,9 @@ from tests.sidecar.store.store_helpers import (
     key,
     put_turn,
 )
+from tokcache.store import Kind, Store
+from tokcache.store._layout import ID_WIDTHS
+from tokcache.store._segment import shm_path
 
 Open = Callable[..., Store]
 both_widths = pytest.mark.parametrize("id_bytes", ID_WIDTHS)

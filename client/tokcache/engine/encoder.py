@@ -7,7 +7,7 @@ and among the backends that pass, the fastest on a chat-sized probe wins.
 
 All encoders here return *raw* ids: no post-processor special tokens
 (BOS/EOS). Special tokens requested with ``add_special_tokens`` are applied by
-:mod:`sidecar.engine.affixes`, so cached entries are independent of the flag.
+:mod:`tokcache.engine.affixes`, so cached entries are independent of the flag.
 """
 
 from __future__ import annotations

@@ -7,9 +7,9 @@ from collections.abc import Callable
 
 import pytest
 
-from sidecar.store import Kind, Store, _layout
-from sidecar.store._segment import shm_path
-from tests.sidecar.store.store_helpers import ids_of, key
+from tests.tokcache.store.store_helpers import ids_of, key
+from tokcache.store import Kind, Store, _layout
+from tokcache.store._segment import shm_path
 
 Open = Callable[..., Store]
 both_widths = pytest.mark.parametrize("id_bytes", _layout.ID_WIDTHS)

@@ -12,10 +12,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sidecar.store import Kind, Store
-from sidecar.store._layout import HEADER_SIZE, ID_WIDTHS, geometry_for
-from sidecar.store._segment import shm_path
-from tests.sidecar.store.store_helpers import conversations, expected, ids_of, key, put_turn
+from tests.tokcache.store.store_helpers import conversations, expected, ids_of, key, put_turn
+from tokcache.store import Kind, Store
+from tokcache.store._layout import HEADER_SIZE, ID_WIDTHS, geometry_for
+from tokcache.store._segment import shm_path
 
 Open = Callable[..., Store]
 both_widths = pytest.mark.parametrize("id_bytes", ID_WIDTHS)

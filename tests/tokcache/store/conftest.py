@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from sidecar.store import Store
-from tests.sidecar.store.store_helpers import FINGERPRINT, FakeClock
+from tests.tokcache.store.store_helpers import FINGERPRINT, FakeClock
+from tokcache.store import Store
 
 SIZE = 1 << 20
 

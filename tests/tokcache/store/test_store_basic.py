@@ -11,11 +11,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sidecar.store import Kind, LockTimeout, SegmentError, Store, StoreClosed, _log, segment_name
-from sidecar.store import _store as store_module
-from sidecar.store._layout import ID_WIDTHS, U32_MAX
-from sidecar.store.errors import translate
-from tests.sidecar.store.store_helpers import FINGERPRINT, ids_of, key
+from tests.tokcache.store.store_helpers import FINGERPRINT, ids_of, key
+from tokcache.store import Kind, LockTimeout, SegmentError, Store, StoreClosed, _log, segment_name
+from tokcache.store import _store as store_module
+from tokcache.store._layout import ID_WIDTHS, U32_MAX
+from tokcache.store.errors import translate
 
 Open = Callable[..., Store]
 both_widths = pytest.mark.parametrize("id_bytes", ID_WIDTHS)
@@ -254,7 +254,7 @@ def test_foreign_errors_are_translated() -> None:
 
 
 def test_holds_ar_turns_on_with_the_first_ar_record(shm_prefix: str) -> None:
-    from sidecar.store import Kind, Store
+    from tokcache.store import Kind, Store
 
     store = Store.open(prefix=shm_prefix, fingerprint="cd" * 16, size=2 << 20)
     try:

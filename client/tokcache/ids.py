@@ -1,0 +1,35 @@
+"""Token ids as packed little-endian uint32: the one format ids cross a boundary in.
+
+The wire (``bytes`` fields of ``tokcache.v1``), the store's API and the encoders all
+speak it; these are its only encoder and decoder.
+"""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from collections.abc import Iterable
+
+__all__ = ["le_bytes", "pack_ids", "unpack_ids"]
+
+
+def le_bytes(ids: array[int]) -> bytes:
+    """An ``array('I')`` as little-endian uint32 bytes."""
+    if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
+        ids = array("I", ids)
+        ids.byteswap()
+    return ids.tobytes()
+
+
+def pack_ids(ids: Iterable[int]) -> bytes:
+    """``ids`` as packed little-endian uint32. OverflowError/TypeError for a value that is not one."""
+    return le_bytes(array("I", ids))
+
+
+def unpack_ids(data: bytes) -> list[int]:
+    """Packed little-endian uint32 ``data`` as a list of ints (``len(data) % 4`` must be 0)."""
+    ids = array("I")
+    ids.frombytes(data)
+    if sys.byteorder != "little":  # pragma: no cover
+        ids.byteswap()
+    return ids.tolist()

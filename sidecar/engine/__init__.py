@@ -1,0 +1,1 @@
+"""The sidecar's model engine: load, render, tokenize through the shared lookup, record outputs."""
