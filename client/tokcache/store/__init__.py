@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from ._direct import DirectLookup, l0_key
 from ._layout import id_bytes_for
+from ._log import Known, RecordRef, Walk
 from ._reader import StoreReader, read_stats
 from ._store import EVICTION_CAUSES, Kind, Shrink, Store, StoreStats, segment_name
 from .errors import LockTimeout, SegmentError, SegmentMismatch, StoreClosed, StoreError
@@ -34,6 +35,8 @@ __all__ = [
     "EVICTION_CAUSES",
     "DirectLookup",
     "Kind",
+    "Known",
+    "RecordRef",
     "LockTimeout",
     "SegmentError",
     "SegmentMismatch",
@@ -43,6 +46,7 @@ __all__ = [
     "StoreError",
     "StoreReader",
     "StoreStats",
+    "Walk",
     "id_bytes_for",
     "l0_key",
     "read_stats",

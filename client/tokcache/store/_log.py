@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import logging
 import mmap
-from collections.abc import Sequence
-from typing import Final, NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any, Final, NamedTuple
 
 from blake3 import blake3
 
@@ -67,7 +67,7 @@ from ._layout import (
     W_TAIL,
 )
 
-__all__ = ["CORRUPT", "EVICTED", "MAX_CHAIN", "Chain", "Entry", "Link", "Log", "ParentRef"]
+__all__ = ["CORRUPT", "EVICTED", "MAX_CHAIN", "Chain", "Entry", "Known", "Link", "Log", "ParentRef", "RecordRef", "Walk"]
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +89,40 @@ among the records before the key's own (0: none expires))."""
 
 Entry = tuple[bytes, int, int, int]
 """One key of a record being written: (key, ids of the record it uses, kind, expiry)."""
+
+Known = Callable[[int, bytes], "tuple[Any, int, int] | None"]
+"""What a reader holds: (LSN, check prefix) of a record -> (held ids, base, n), see walk_known."""
+
+
+class RecordRef(NamedTuple):
+    """One record's identity and the part of it a key (or a reader) uses.
+
+    ``lsn`` and ``check`` (the first LINK_CHECK_SIZE bytes of its check) identify the record
+    for ever (records are immutable and the check covers the LSN); ``base`` is the number
+    of tokens before its own ids in its chain, ``n`` how many of its own ids are meant.
+    """
+
+    lsn: int
+    check: bytes
+    base: int
+    n: int
+
+
+class Walk(NamedTuple):
+    """A verified chain read by :meth:`Log.walk_known`.
+
+    ``rest`` holds the stored ids after ``held_tokens`` (all of them when ``held`` is
+    None); ``own`` is the key's own record (its ``n``: the ids the key uses of it).
+    """
+
+    rest: bytes
+    oldest: int
+    depth: int
+    key_expiry: int
+    chain_expiry: int
+    own: RecordRef
+    held: Any
+    held_tokens: int
 
 
 class Link(NamedTuple):
@@ -139,6 +173,22 @@ class Log:
         its LSN, the first bytes of its check and the token count before it. Returns the
         Chain (its ids joined once, as stored), or EVICTED / CORRUPT.
         """
+        found = self.walk_known(key, lsn_kind, None)
+        if isinstance(found, int):
+            return found
+        return found.rest, found.oldest, found.depth, found.key_expiry, found.chain_expiry
+
+    def walk_known(self, key: bytes, lsn_kind: int, known: Known | None) -> Walk | int:
+        """:meth:`walk`, stopping at the first record of the chain the caller already holds.
+
+        ``known(lsn, check8)`` returns ``(held, base, n)`` when the caller holds the ids of
+        the chain up to and including the first ``n`` ids of the record with that LSN and
+        check prefix (``base`` = tokens before that record's own ids), else None. Records
+        are immutable and (LSN, check) identifies one, so no version is needed. The walk
+        then returns ``Walk.held`` with the token count to take from it and only the stored
+        ids after it in ``rest``. Eviction is decided exactly as by a full walk (the chain's
+        floor and tail), so a hit or a miss never depends on what a process holds.
+        """
         mm = self._mm
         width = self.id_bytes
         arena_size = self.size
@@ -155,6 +205,9 @@ class Log:
         key_expiry = 0
         chain_expiry = 0
         depth = 0
+        own: RecordRef | None = None
+        held: Any = None
+        held_tokens = 0
         pos = cur % arena_size
         if cur < tail:
             return EVICTED  # before touching its bytes: their page may have been given back
@@ -174,7 +227,7 @@ class Log:
                 _check,
                 magic,
                 size2,
-                own,
+                own_lsn,
                 parent_lsn,
                 parent_check,
                 parent_n,
@@ -189,7 +242,7 @@ class Log:
             ) = RECORD.unpack_from(rec)
             if (
                 magic != RECORD_MAGIC
-                or own != cur
+                or own_lsn != cur
                 or size2 != size
                 or not rec.startswith(blake3(rec[CHECK_SIZE:]).digest(CHECK_SIZE))
             ):
@@ -207,6 +260,14 @@ class Log:
                 if floor < tail:
                     return EVICTED  # its oldest link is gone: do not bother walking
                 end = cur + size
+                if n > n_ids:
+                    return self._failed(cur)
+                own = RecordRef(cur, bytes(rec[:LINK_CHECK_SIZE]), base, n)
+                if known is not None:
+                    got = known(cur, own.check)
+                    if got is not None and got[1] == base and n <= got[2]:
+                        held, held_tokens = got[0], base + n
+                        break
             elif base + n != expect_base or not rec.startswith(expect_check):
                 return self._failed(cur)
             elif expiry and (not chain_expiry or expiry < chain_expiry):
@@ -221,6 +282,11 @@ class Log:
                 break
             if parent_lsn >= cur:  # links only point backwards: no cycles
                 return self._failed(cur)
+            if known is not None:
+                got = known(parent_lsn, parent_check)
+                if got is not None and got[1] + parent_n == base and parent_n <= got[2]:
+                    held, held_tokens = got[0], base
+                    break
             expect_base = base
             expect_check = parent_check
             n = parent_n
@@ -235,7 +301,13 @@ class Log:
         else:
             parts.reverse()
             data = b"".join(parts)
-        return data, cur, depth, key_expiry, chain_expiry
+        assert own is not None
+        return Walk(data, cur, depth, key_expiry, chain_expiry, own, held, held_tokens)
+
+    def check_at(self, lsn: int) -> bytes:
+        """The check prefix (LINK_CHECK_SIZE bytes) of the record at ``lsn`` (just written)."""
+        off = self._off + lsn % self.size
+        return bytes(self._mm[off : off + LINK_CHECK_SIZE])
 
     def _failed(self, lsn: int) -> int:
         """Why verifying the record at ``lsn`` failed: overwritten after eviction, or corrupt."""

@@ -17,8 +17,19 @@ from collections.abc import Callable
 from typing import Any, Final
 
 from ._index import Index
-from ._layout import HEADER_SIZE, KEY_SIZE, RETIRED_MARK, W_RETIRED, ZERO_KEY, unpack_static, widen
-from ._log import Log
+from ._layout import (
+    HEADER_SIZE,
+    KEY_SIZE,
+    LSN_MASK,
+    RETIRED_MARK,
+    W_AR_PUTS,
+    W_RETIRED,
+    W_TAIL,
+    ZERO_KEY,
+    unpack_static,
+    widen,
+)
+from ._log import Known, Log, Walk
 from ._segment import SHM_DIR, Segment, attach_readonly, shm_path
 from ._store import StoreStats, segment_name, stats_of
 from .errors import SegmentMismatch, StoreClosed, StoreError
@@ -70,6 +81,44 @@ class StoreReader:
     def attach_name(cls, name: str, clock: Callable[[], float] | None = None) -> StoreReader:
         """Map the segment called ``name`` ("/prefix-fingerprint") read-only, any fingerprint."""
         return cls(attach_readonly(name), clock or time.time)
+
+    def read(self, key: bytes, known: Known | None = None) -> Walk | None:
+        """:meth:`Store.read` without writing anything (no counters, no LRU stamp, no copy)."""
+        if self._closed:
+            raise StoreClosed(f"{self.name} is closed")
+        if len(key) != KEY_SIZE or key == ZERO_KEY:
+            raise ValueError("key must be 16 bytes, not all zero")
+        soff = self._index.find(key)
+        if soff < 0:
+            return None
+        lsn_kind, expiry, _access = self._index.read(soff)
+        now = self._clock()
+        if expiry and now >= expiry:
+            return None
+        found = self._log.walk_known(key, lsn_kind, known)
+        if isinstance(found, int) or (found.key_expiry and now >= found.key_expiry):
+            return None
+        return found._replace(rest=widen(found.rest, self.id_bytes))
+
+    def contains(self, key: bytes) -> bool:
+        """Whether ``key`` has a live, unexpired slot (see :meth:`Store.contains`)."""
+        if self._closed:
+            raise StoreClosed(f"{self.name} is closed")
+        if len(key) != KEY_SIZE or key == ZERO_KEY:
+            raise ValueError("key must be 16 bytes, not all zero")
+        soff = self._index.find(key)
+        if soff < 0:
+            return False
+        lsn_kind, expiry, _ = self._index.read(soff)
+        if expiry and self._clock() >= expiry:
+            return False
+        return lsn_kind & LSN_MASK >= self._words[W_TAIL]
+
+    def holds_ar(self) -> bool:
+        """Whether an AR record was ever put in this segment (see :meth:`Store.holds_ar`)."""
+        if self._closed:
+            raise StoreClosed(f"{self.name} is closed")
+        return self._words[W_AR_PUTS] > 0
 
     def get(self, key: bytes) -> bytes | None:
         """The ids stored for ``key`` (packed LE uint32), or None; see :meth:`Store.get`.

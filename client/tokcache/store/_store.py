@@ -73,7 +73,7 @@ from ._layout import (
     widen,
 )
 from ._lock import DEFAULT_TIMEOUT, WriterLock
-from ._log import CORRUPT, Entry, Link, Log, effective_cap, min_soft_cap
+from ._log import CORRUPT, Entry, Known, Link, Log, RecordRef, Walk, effective_cap, min_soft_cap
 from ._segment import Segment, open_segment, unlink_segment
 from .errors import FOREIGN_ERRORS, StoreClosed, translate, translated
 
@@ -329,6 +329,50 @@ class Store:
         """
         return self._live_slot(key)
 
+    def read(self, key: bytes, known: Known | None = None) -> Walk | None:
+        """:meth:`get` for a reader that may already hold part of the chain.
+
+        Decides hit or miss exactly like :meth:`get` (same slot, expiry, floor and tail
+        checks), but stops walking at the first record ``known`` names (see
+        ``Log.walk_known``); ``Walk.rest`` holds the ids after it as packed LE uint32.
+        Counts and touches like :meth:`get`; a hit in danger of eviction is copied forward.
+        """
+        if self._mm is None:
+            raise StoreClosed(f"{self.name} is closed")
+        if len(key) != KEY_SIZE or key == ZERO_KEY:
+            raise ValueError("key must be 16 bytes, not all zero")
+        words = self._words
+        soff = self._index.find(key)
+        if soff < 0:
+            words[W_MISSES] += 1
+            return None
+        lsn_kind, expiry, access = self._index.read(soff)
+        now = self._clock()
+        if expiry and now >= expiry:
+            words[W_MISSES] += 1
+            words[W_EXPIRED] += 1
+            return None
+        found = self._log.walk_known(key, lsn_kind, known)
+        if isinstance(found, int):
+            words[W_MISSES] += 1
+            if found == CORRUPT:
+                words[W_CORRUPT] += 1
+            return None
+        if found.key_expiry and now >= found.key_expiry:
+            words[W_MISSES] += 1
+            words[W_EXPIRED] += 1
+            return None
+        second = int(now) & U32_MAX
+        if second != access:
+            self._index.touch(soff, second)
+        words[W_HITS] += 1
+        if (words[W_HEAD] - found.oldest > self._danger_zone() or found.depth > CONSOLIDATE_DEPTH
+                or (found.chain_expiry and now + self._ttl_margin >= found.chain_expiry)):
+            whole = self._log.walk(key, lsn_kind) if found.held is not None else None
+            if whole is None or not isinstance(whole, int):
+                self._consolidate(key, lsn_kind, found.rest if whole is None else whole[0], found.key_expiry)
+        return found._replace(rest=widen(found.rest, self.id_bytes))
+
     def get(self, key: bytes) -> bytes | None:
         """The ids stored for ``key``: the parent chain's ids then this entry's ids.
 
@@ -390,7 +434,7 @@ class Store:
         ids: bytes,
         entries: Sequence[tuple[bytes, int] | tuple[bytes, int, Kind]],
         kind: Kind,
-    ) -> bool:
+    ) -> RecordRef | None:
         """Append one record of ``ids`` (packed LE uint32) continuing ``parent``'s prefix.
 
         The record's logical prefix is get(parent) (``parent_tokens`` tokens; no parent: 0)
@@ -400,7 +444,8 @@ class Store:
         kind as (key, n, kind) — its TTL then applies to that key — otherwise ``kind``
         applies. A key listed twice keeps its last n. Re-putting a key replaces its mapping.
 
-        Returns False and stores nothing when the record is bigger than the arena, when
+        Returns the new record (a RecordRef: its identity, base and own ids, for a reader
+        memo; always truthy) — or None and stores nothing when the record is bigger than the arena, when
         ``parent`` is not (or no longer) stored with exactly ``parent_tokens`` tokens, when
         an id of ``ids`` does not fit the segment's width (>= 2**24 with ``id_bytes`` 3:
         never truncated, never an error), or when the segment was replaced under this Store.
@@ -438,10 +483,10 @@ class Store:
             raise ValueError(f"at most {MAX_ENTRIES} entries per record")
         stored = narrow(ids, width)  # before the lock: the conversion is O(n)
         if stored is None:
-            return False
+            return None
         size = _layout.record_size(len(mapping), len(stored))
         if size > self._log.size:
-            return False
+            return None
         now = self._clock()
         expiry_of = {k: self._expiry(k, now) for k in {k for _, k in mapping.values()}}
         items: list[Entry] = [(key, n, k, expiry_of[k]) for key, (n, k) in mapping.items()]
@@ -453,7 +498,7 @@ class Store:
             raise translated(f"lock {self.name}", exc) from exc
         try:
             if self._words[W_RETIRED] == RETIRED_MARK:
-                return False
+                return None
             head, tail = self._log.bounds()
             tail = self._log.sweep(head, tail, now)
             cap = self._log.cap()
@@ -462,7 +507,7 @@ class Store:
                 lsn_kind = self._index.lookup(parent)
                 found = None if lsn_kind < 0 else self._log.parent(lsn_kind, parent, parent_tokens, head, tail)
                 if found is None:
-                    return False
+                    return None
                 if found.floor >= self._log.needed(head, size, cap):
                     link = Link(found.lsn, found.check, found.n, parent_tokens, found.size, found.floor)
                 else:
@@ -470,18 +515,18 @@ class Store:
                     # leave the record unreadable: store the whole prefix inline instead.
                     walked = self._log.walk(parent, lsn_kind)  # stored ids: no conversion
                     if isinstance(walked, int) or len(walked[0]) != width * parent_tokens:
-                        return False
+                        return None
                     stored = walked[0] + stored
                     items = [(key, n + parent_tokens, k, e) for key, n, k, e in items]
                     size = _layout.record_size(len(items), len(stored))
                     if size > self._log.size:
-                        return False
+                        return None
             if kind == Kind.AR or any(k == Kind.AR for _, _, k, _ in items):
                 # Before the keys appear: a reader that sees an AR key also sees this.
                 self._words[W_AR_PUTS] += 1
-            self._append(head, tail, size, link, stored, items, kind, record_expiry, 0, now, cap)
+            ref = self._append(head, tail, size, link, stored, items, kind, record_expiry, 0, now, cap)
             self._words[W_PUTS] += 1
-            return True
+            return ref
         finally:
             self._lock.release()
 
@@ -521,10 +566,12 @@ class Store:
         flags: int,
         now: float,
         cap: int,
-    ) -> None:
+    ) -> RecordRef:
         """Write the record (``ids``: stored ids), then point every entry's key at it;
-        under a soft cap, give back the pages tail left behind (in batches). Lock held."""
+        under a soft cap, give back the pages tail left behind (in batches). Lock held.
+        Returns the record's identity."""
         lsn, tail, head = self._log.append(head, tail, size, link, ids, entries, kind, expiry, flags, cap)
+        ref = RecordRef(lsn, self._log.check_at(lsn), link.base if link is not None else 0, len(ids) // self.id_bytes)
         access = int(now) & U32_MAX
         for key, _n, entry_kind, entry_expiry in entries:
             self._index.set(key, entry_kind << LSN_BITS | lsn, entry_expiry, access, tail, head, now)
@@ -532,6 +579,7 @@ class Store:
             released_at = self._words[W_RELEASE_TAIL]
             if tail - released_at >= max(RELEASE_BATCH, cap // 8) or released_at > tail:
                 self._log.release(head, tail)
+        return ref
 
     # --- memory pressure and maintenance ------------------------------------------------
 

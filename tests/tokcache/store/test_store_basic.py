@@ -232,7 +232,7 @@ def test_matches_reference_model(
                 tokens = len(prefix) // 4 + (1 if lie else 0)
                 ok = ok and not lie
             ok = ok and not (big is not None and id_bytes == 3)
-            assert store.put(parent, tokens, ids, entries, Kind.L1) is ok
+            assert (store.put(parent, tokens, ids, entries, Kind.L1) is not None) is ok
             if ok:
                 for k, n in entries:
                     model[k] = prefix + ids[: 4 * n]

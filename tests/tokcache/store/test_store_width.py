@@ -91,8 +91,8 @@ def test_id_past_24_bits(open_store: Open, id_bytes: int) -> None:
     used = store.stats().used_bytes
     for big in (1 << 24, 0x12345678, U32_MAX):
         # The entry uses only small ids, yet the record would hold the big one: all or nothing.
-        fits = store.put(None, 0, u32(7, big), [(key("root", big), 1)], Kind.L0)
-        child = store.put(key("p"), 2, u32(big), [(key("child", big), 1)], Kind.L1)
+        fits = None is not store.put(None, 0, u32(7, big), [(key("root", big), 1)], Kind.L0)
+        child = None is not store.put(key("p"), 2, u32(big), [(key("child", big), 1)], Kind.L1)
         assert fits is child is (id_bytes == 4)
         if fits:
             assert store.get(key("root", big)) == u32(7)
@@ -127,7 +127,7 @@ def test_reattach_keeps_the_header_width(open_store: Open, shm_prefix: str, crea
     assert second.attached_existing and second.id_bytes == created
     assert _static(second).id_bytes == created
     assert second.get(key("a")) == u32(1, TOP)
-    assert second.put(None, 0, u32(1 << 24), [(key("big"), 1)], Kind.L1) is (created == 4)
+    assert (second.put(None, 0, u32(1 << 24), [(key("big"), 1)], Kind.L1) is not None) is (created == 4)
     with Store.attach_readonly(prefix=shm_prefix, fingerprint=FINGERPRINT) as reader:
         assert reader.id_bytes == created
         assert reader.get(key("a")) == u32(1, TOP)
