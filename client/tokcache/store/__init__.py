@@ -11,7 +11,9 @@ Ids go in and come out as packed little-endian uint32; a segment created with
 
 Typical use::
 
-    store = Store.open(prefix="tokcache", fingerprint=fp_hex, size=256 << 20, id_bytes=id_bytes_for(vocab))
+    # What /dev/shm can back (a page it cannot is SIGBUS): a smaller size and why, or SegmentFull.
+    size, why = usable_size(segment_name("tokcache", fp_hex), 256 << 20)
+    store = Store.open(prefix="tokcache", fingerprint=fp_hex, size=size, id_bytes=id_bytes_for(vocab))
     store.put(None, 0, ids, [(key_turn1, len(ids) // 4)], Kind.L1)
     store.get(key_turn1)  # -> ids, or None
 
@@ -28,8 +30,9 @@ from ._direct import DirectLookup, l0_key
 from ._layout import id_bytes_for
 from ._log import Known, RecordRef, Walk
 from ._reader import StoreReader, read_stats
+from ._segment import usable_size
 from ._store import EVICTION_CAUSES, Kind, Shrink, Store, StoreStats, segment_name
-from .errors import LockTimeout, SegmentError, SegmentMismatch, StoreClosed, StoreError
+from .errors import LockTimeout, SegmentError, SegmentFull, SegmentMismatch, StoreClosed, StoreError
 
 __all__ = [
     "EVICTION_CAUSES",
@@ -39,6 +42,7 @@ __all__ = [
     "RecordRef",
     "LockTimeout",
     "SegmentError",
+    "SegmentFull",
     "SegmentMismatch",
     "Shrink",
     "Store",
@@ -51,4 +55,5 @@ __all__ = [
     "l0_key",
     "read_stats",
     "segment_name",
+    "usable_size",
 ]

@@ -9,7 +9,8 @@ Writer order, under the writer lock: advance tail (evict) -> write the record ->
 head -> (the caller) write index slots. A writer that dies at any step leaves only bytes
 that nothing references yet.
 
-A reader copies each record of a chain out of the mapping, verifies it (magic, own LSN,
+A reader copies each record of a chain out of the segment file (``pread``, see below),
+verifies it (magic, own LSN,
 blake3 check, link to its parent), and only then re-reads tail. The writer moves tail past
 a record before overwriting any of it, so a record still at or above tail after the copy
 was not being overwritten during it: a torn copy always ends as a miss, and the checks
@@ -21,12 +22,20 @@ whose every key has expired (TTL sweep). Pages of the arena outside ``[tail, hea
 be given back to the kernel (``madvise(MADV_REMOVE)`` punches holes in the tmpfs file);
 that happens after tail has moved past them, so a reader racing it sees zeros in a record
 below tail, which is a miss like any other overwrite.
+
+Holes must never be touched through the mapping: any fault on one allocates a page, and on
+a full tmpfs that is SIGBUS, for a load as much as a store. So readers copy arena bytes
+with ``pread`` (a hole reads as zeros, past the end of the file as nothing), and the writer
+allocates (``posix_fallocate``) every page an append stores into, the pad gap included,
+before it changes anything: every page holding a byte of ``[tail, head)`` is allocated,
+and the writer reads the mapping only there. A full tmpfs then surfaces as SegmentFull.
 """
 
 from __future__ import annotations
 
 import logging
 import mmap
+import os
 from collections.abc import Callable, Sequence
 from typing import Any, Final, NamedTuple
 
@@ -66,8 +75,12 @@ from ._layout import (
     W_SOFT_CAP,
     W_TAIL,
 )
+from ._segment import reserve
+from .errors import SegmentError
 
-__all__ = ["CORRUPT", "EVICTED", "MAX_CHAIN", "Chain", "Entry", "Known", "Link", "Log", "ParentRef", "RecordRef", "Walk"]
+__all__ = [
+    "CORRUPT", "EVICTED", "MAX_CHAIN", "Chain", "Entry", "Known", "Link", "Log", "ParentRef", "RecordRef", "Walk",
+]
 
 log = logging.getLogger(__name__)
 
@@ -154,9 +167,11 @@ class Log:
     """
 
     def __init__(
-        self, mm: mmap.mmap, arena_off: int, arena_size: int, words: memoryview, name: str, id_bytes: int
+        self, mm: mmap.mmap, arena_off: int, arena_size: int, words: memoryview, name: str, id_bytes: int,
+        *, fd: int,
     ) -> None:
         self._mm = mm
+        self._fd = fd  # the segment file: pread for readers, posix_fallocate for the writer
         self._off = arena_off
         self.size = arena_size
         self.id_bytes = id_bytes
@@ -189,7 +204,6 @@ class Log:
         ids after it in ``rest``. Eviction is decided exactly as by a full walk (the chain's
         floor and tail), so a hit or a miss never depends on what a process holds.
         """
-        mm = self._mm
         width = self.id_bytes
         arena_size = self.size
         arena_off = self._off
@@ -213,7 +227,7 @@ class Log:
             return EVICTED  # before touching its bytes: their page may have been given back
         if pos + MIN_RECORD > arena_size:
             return self._failed(cur)
-        size = U32.unpack_from(mm, arena_off + pos + RECORD_SIZE_OFF)[0]
+        size = U32.unpack(self._read(arena_off + pos + RECORD_SIZE_OFF, U32.size))[0]
         while True:
             if cur < tail:
                 return EVICTED
@@ -222,7 +236,7 @@ class Log:
             if depth > MAX_CHAIN or size < MIN_RECORD or pos + size > arena_size:
                 return self._failed(cur)
             off = arena_off + pos
-            rec = mm[off : off + size]
+            rec = self._read(off, size)
             (
                 _check,
                 magic,
@@ -309,6 +323,19 @@ class Log:
         off = self._off + lsn % self.size
         return bytes(self._mm[off : off + LINK_CHECK_SIZE])
 
+    def _read(self, off: int, n: int) -> bytes:
+        """``n`` bytes of the segment at ``off``, copied with pread(2), not through the mapping.
+
+        Tail may pass these bytes and their pages be given back after the caller checked
+        it; a fault on such a hole is SIGBUS on a full tmpfs, pread reads zeros (a short
+        read past the end of the file is padded): a failed check, a miss.
+        """
+        try:
+            data = os.pread(self._fd, n, off)
+        except OSError as exc:
+            raise SegmentError(f"{self._name}: reading {n} bytes at {off}: {exc}") from exc
+        return data if len(data) == n else data.ljust(n, b"\0")
+
     def _failed(self, lsn: int) -> int:
         """Why verifying the record at ``lsn`` failed: overwritten after eviction, or corrupt."""
         return EVICTED if lsn < self._words[W_TAIL] else CORRUPT
@@ -351,8 +378,8 @@ class Log:
         """
         lsn = lsn_kind & LSN_MASK
         pos = lsn % self.size
-        if lsn < tail or pos + MIN_RECORD > self.size:
-            return None
+        if lsn < tail or lsn + MIN_RECORD > head or pos + MIN_RECORD > self.size:
+            return None  # (only [tail, head) is sure to be allocated: see the module docstring)
         off = self._off + pos
         (check, magic, size, own, _pl, _pc, _pn, base, n_ids, n_entries, _k, flags, _e, _ps, floor) = (
             RECORD.unpack_from(self._mm, off)
@@ -394,17 +421,27 @@ class Log:
         the caller then points index slots at it.
         Records evicted to stay within the arena count as cap evictions, those evicted
         only because ``cap`` is below the arena size as pressure evictions.
+        Raises SegmentFull, having changed nothing, when the tmpfs cannot allocate the
+        pages the record (and the pad before it) go to.
         """
         mm = self._mm
         words = self._words
         pos = head % self.size
         pad = self.size - pos if pos + size > self.size else 0
         lsn = head + pad
-        if lsn + size >= LSN_SOFT_LIMIT:
+        restart = lsn + size >= LSN_SOFT_LIMIT
+        if restart:
+            tail = lsn = pos = pad = 0
+        # Before anything changes: pages given back earlier are holes again, and storing
+        # into one the tmpfs cannot allocate is SIGBUS. (Eviction below reads past head
+        # only inside this range.)
+        if pad:
+            reserve(self._fd, self._off + pos, pad, self._name)
+        reserve(self._fd, self._off + lsn % self.size, size, self._name)
+        if restart:
             # Restart at 0 (after 32 PiB): head first, so no reader sees an old record live.
             words[W_HEAD] = 0
             words[W_TAIL] = 0
-            tail = lsn = pos = pad = 0
         needed = lsn + size - self.size
         soft_needed = lsn + size - cap
         if tail < soft_needed:

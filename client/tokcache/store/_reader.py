@@ -64,7 +64,8 @@ class StoreReader:
         self._view = memoryview(segment.mm)
         self._words = self._view[:HEADER_SIZE].cast("Q")
         self._index = Index(segment.mm, geometry.index_off, geometry.n_buckets, self._words)
-        self._log = Log(segment.mm, geometry.arena_off, geometry.arena_size, self._words, self.name, self.id_bytes)
+        self._log = Log(segment.mm, geometry.arena_off, geometry.arena_size, self._words, self.name, self.id_bytes,
+                        fd=segment.fd)
         self._closed = False
 
     @classmethod

@@ -16,11 +16,22 @@ A segment's name only ever refers to a fully initialised segment or to nothing:
   and unlinks it; then it creates a new one. Concurrent replacers of one inode serialise on
   the flock and the second finds the name changed, so no one unlinks a fresh segment.
 
-Linux only: the flock, ``/dev/shm`` and ``/proc`` are assumed.
+**Backing.** A store into a mapped tmpfs page the filesystem cannot allocate (``/dev/shm``
+smaller than the segment, or filled by someone else) is SIGBUS, and so is a *read* of a
+page that is a hole (shmem allocates on any fault). So pages are allocated with
+``posix_fallocate``, which fails with ENOSPC (:class:`SegmentFull`) instead: the whole
+segment at creation, the header and index again at attach (a segment written by an older
+version may be sparse), and each arena range right before the writer stores into it
+(:func:`reserve`; released pages are holes again). :func:`usable_size` sizes a segment to
+what the tmpfs can back before it is created. Nothing here ever truncates a segment:
+replacement unlinks, so an existing mapping keeps its file and stays valid.
+
+Linux only: the flock, ``/dev/shm`` (a tmpfs) and ``/proc`` are assumed.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import mmap
@@ -35,8 +46,8 @@ from typing import Any, Final
 import posix_ipc
 
 from . import _layout, _proc
-from ._layout import HEADER_SIZE, MAGIC, RETIRED_MARK, W_RETIRED, Geometry
-from .errors import SegmentError, SegmentMismatch
+from ._layout import HEADER_SIZE, MAGIC, PAGE, RETIRED_MARK, W_RETIRED, Geometry
+from .errors import SegmentError, SegmentFull, SegmentMismatch
 
 __all__ = [
     "SHM_DIR",
@@ -44,9 +55,11 @@ __all__ = [
     "attach_readonly",
     "flocked",
     "open_segment",
+    "reserve",
     "shm_path",
     "temp_name",
     "unlink_segment",
+    "usable_size",
 ]
 
 log = logging.getLogger(__name__)
@@ -56,6 +69,12 @@ MODE: Final = 0o600
 _OPEN_ATTEMPTS: Final = 16
 # A creator publishes its temporary within milliseconds; older leftovers come from a crash.
 _STALE_TEMP_SECONDS: Final = 60.0
+# Kept free beside a segment that fits as asked: the writer lock's semaphore (a page) and
+# small objects of other users.
+_SLACK: Final = 64 * 1024
+# A segment that does not fit as asked leaves this share (1/n) of what is available to the
+# other users of /dev/shm (vLLM's own shared memory, NCCL) rather than taking all of it.
+_HEADROOM_SHARE: Final = 8
 
 
 def shm_path(name: str) -> str:
@@ -109,7 +128,9 @@ def open_segment(name: str, fingerprint: bytes, size: int, id_bytes: int) -> Seg
 
     ``id_bytes`` is the id width of a segment this call creates; an attached segment keeps
     the width in its header (same fingerprint: same vocabulary, so either width is valid).
-    Raises SegmentError on OS failures (the caller translates posix_ipc/OS errors) and
+    A created segment is backed whole, an attached one in its header and index (the arena
+    is backed range by range as it is written). Raises SegmentFull when the tmpfs cannot
+    back that, SegmentError on OS failures (the caller translates posix_ipc/OS errors) and
     ValueError for an unusable size or width.
     """
     if len(fingerprint) != _layout.FINGERPRINT_SIZE:
@@ -124,13 +145,22 @@ def open_segment(name: str, fingerprint: bytes, size: int, id_bytes: int) -> Seg
             shm = None
         if shm is not None:
             try:
-                return _attach(shm, name, fingerprint, geometry)
+                segment = _attach(shm, name, fingerprint, geometry)
             except SegmentMismatch as exc:
                 log.warning("replacing shared-memory segment %s: %s", name, exc)
                 _retire(shm, name)
-        segment = _create(name, fingerprint, geometry, id_bytes)
-        if segment is not None:
-            return segment
+            else:
+                try:
+                    # Readers and writers store into the header and index without further
+                    # checks; an older writer may have left them sparse.
+                    reserve(segment.fd, 0, geometry.arena_off, name)
+                except BaseException:
+                    segment.close()
+                    raise
+                return segment
+        created = _create(name, fingerprint, geometry, id_bytes)
+        if created is not None:
+            return created
     raise SegmentError(f"open {name}: lost the create/replace race {_OPEN_ATTEMPTS} times")
 
 
@@ -257,6 +287,8 @@ def _create(name: str, fingerprint: bytes, geometry: Geometry, id_bytes: int) ->
     mm: mmap.mmap | None = None
     published = False
     try:
+        # Every page now, before it is published: a tmpfs too small fails here, never later.
+        reserve(int(shm.fd), 0, geometry.size, name)
         mm = mmap.mmap(int(shm.fd), geometry.size)
         # Fresh tmpfs pages are zero: head = tail = 0, empty index, no lock holder.
         static = _layout.pack_static(geometry, fingerprint, int(time.time()), id_bytes)
@@ -273,6 +305,76 @@ def _create(name: str, fingerprint: bytes, geometry: Geometry, id_bytes: int) ->
             if mm is not None:
                 mm.close()
             shm.close_fd()
+
+
+def reserve(fd: int, offset: int, length: int, name: str) -> None:
+    """Allocate the tmpfs pages of ``[offset, offset + length)`` of segment file ``fd``.
+
+    After it returns, storing into (or reading) those pages through a mapping cannot
+    SIGBUS until they are given back (``madvise(MADV_REMOVE)``). Cheap when they already
+    are allocated (~0.4 µs for a few pages). The range must lie within the file: the
+    file never grows. Raises SegmentFull on ENOSPC (nothing is allocated then: tmpfs
+    undoes a partial fallocate), SegmentError on other OS errors. ``name`` is for messages.
+    """
+    try:
+        os.posix_fallocate(fd, offset, length)
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            raise SegmentFull(
+                f"{name}: {SHM_DIR} has no room for {length} more bytes ({_free_bytes()} free)"
+            ) from exc
+        raise SegmentError(f"{name}: allocating {length} bytes at {offset}: {exc}") from exc
+
+
+def usable_size(name: str, requested: int, *, minimum: int = _layout.MIN_SIZE) -> tuple[int, str]:
+    """The size to open segment ``name`` with: ``(size, reason)``, reason "" if as requested.
+
+    What the tmpfs behind /dev/shm can back is its free space plus the pages the existing
+    segment ``name`` already holds (replacing it frees them). When ``requested`` fits,
+    returns it. Otherwise, the existing segment's own size when that is smaller than
+    requested and still fits (a restarted server, or the other processes of one, then
+    re-attach instead of replacing it); else what can be backed less a share (1/8) left to
+    the other users of /dev/shm, down to a page and not below ``minimum``, and ``reason``
+    says how much was available. Raises SegmentFull when not even ``minimum`` bytes (and
+    a little slack) fit; the message says what is available. ValueError for a size
+    outside the layout's range. A tmpfs without a size limit, or a filesystem ``statvfs``
+    cannot read, never clamps. A snapshot: space taken after it makes creation fail with
+    SegmentFull, and writes evict or fail the same way.
+    """
+    _layout.geometry_for(requested)  # ValueError for a size no segment can have
+    minimum = max(minimum, _layout.MIN_SIZE)
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return requested, ""
+    if st.f_blocks == 0:  # tmpfs mounted without a size limit reports 0 blocks
+        return requested, ""
+    free = st.f_bavail * st.f_frsize
+    try:
+        existing = os.stat(shm_path(name))
+        own, existing_size = existing.st_blocks * 512, existing.st_size
+    except FileNotFoundError:
+        own = existing_size = 0
+    available = free + own
+    if requested + _SLACK <= available:
+        return requested, ""
+    backs = f"{SHM_DIR} can back {available} bytes ({free} free + {own} held by {name})"
+    if minimum <= existing_size < requested and existing_size <= available:
+        return existing_size, f"{backs}; keeping the existing {existing_size}-byte segment"
+    size = min(requested, (available - max(_SLACK, available // _HEADROOM_SHARE)) // PAGE * PAGE)
+    if size < minimum:
+        if minimum + _SLACK > available:
+            raise SegmentFull(f"{backs}: not enough for the minimum of {minimum} bytes and {_SLACK} kept free")
+        size = minimum  # the headroom is a courtesy; the minimum fits
+    return size, f"{backs}; leaving {available - size} to its other users"
+
+
+def _free_bytes() -> int:
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return -1
+    return st.f_bavail * st.f_frsize
 
 
 def _unlink_quietly(name: str) -> None:

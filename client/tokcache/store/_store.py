@@ -75,7 +75,7 @@ from ._layout import (
 from ._lock import DEFAULT_TIMEOUT, WriterLock
 from ._log import CORRUPT, Entry, Known, Link, Log, RecordRef, Walk, effective_cap, min_soft_cap
 from ._segment import Segment, open_segment, unlink_segment
-from .errors import FOREIGN_ERRORS, StoreClosed, translate, translated
+from .errors import FOREIGN_ERRORS, SegmentFull, StoreClosed, translate, translated
 
 if TYPE_CHECKING:
     from ._reader import StoreReader
@@ -218,7 +218,8 @@ class Store:
         # Header u64 words: aligned 8-byte loads and stores, so head/tail never read torn.
         self._words = self._header.cast("Q")
         self._index = Index(segment.mm, geometry.index_off, geometry.n_buckets, self._words)
-        self._log = Log(segment.mm, geometry.arena_off, geometry.arena_size, self._words, self.name, self.id_bytes)
+        self._log = Log(segment.mm, geometry.arena_off, geometry.arena_size, self._words, self.name, self.id_bytes,
+                        fd=segment.fd)
         # A hit whose oldest link is this far behind head has < 1/8 of the log left to
         # live; recomputed when the soft cap word changes.
         self._soft_word = -1
@@ -452,7 +453,9 @@ class Store:
         The parent is bound by its record, not its key: re-putting the parent key later does
         not change this record's prefix. An expired parent still serves as a prefix. Takes
         the writer lock; raises LockTimeout when a live writer keeps it longer than
-        ``lock_timeout``, ValueError for bad arguments.
+        ``lock_timeout``, SegmentFull (nothing stored) when the tmpfs cannot allocate the
+        pages the record goes to even after evicting to give some back, ValueError for bad
+        arguments.
         """
         if self._mm is None:
             raise StoreClosed(f"{self.name} is closed")
@@ -548,7 +551,10 @@ class Store:
             entries: list[Entry] = [(key, len(data) // self.id_bytes, kind, expiry)]
             now = self._clock()
             cap = self._log.cap()
-            self._append(head, tail, size, None, data, entries, kind, expiry, F_CONSOLIDATED, now, cap)
+            try:
+                self._append(head, tail, size, None, data, entries, kind, expiry, F_CONSOLIDATED, now, cap)
+            except SegmentFull:
+                return  # a full tmpfs: the hit was served, the copy is only an optimisation
             self._words[W_CONSOLIDATIONS] += 1
         finally:
             self._lock.release()
@@ -570,7 +576,7 @@ class Store:
         """Write the record (``ids``: stored ids), then point every entry's key at it;
         under a soft cap, give back the pages tail left behind (in batches). Lock held.
         Returns the record's identity."""
-        lsn, tail, head = self._log.append(head, tail, size, link, ids, entries, kind, expiry, flags, cap)
+        lsn, tail, head = self._append_backed(head, tail, size, link, ids, entries, kind, expiry, flags, cap)
         ref = RecordRef(lsn, self._log.check_at(lsn), link.base if link is not None else 0, len(ids) // self.id_bytes)
         access = int(now) & U32_MAX
         for key, _n, entry_kind, entry_expiry in entries:
@@ -580,6 +586,38 @@ class Store:
             if tail - released_at >= max(RELEASE_BATCH, cap // 8) or released_at > tail:
                 self._log.release(head, tail)
         return ref
+
+    def _append_backed(
+        self,
+        head: int,
+        tail: int,
+        size: int,
+        link: Link | None,
+        ids: bytes,
+        entries: list[Entry],
+        kind: int,
+        expiry: int,
+        flags: int,
+        cap: int,
+    ) -> tuple[int, int, int]:
+        """``Log.append``, making room in the tmpfs when it is full. Lock held.
+
+        The pages a record goes to may have been given back (soft cap, ``shrink``) and the
+        tmpfs filled by another process since: then evict a record's worth of bytes (and a
+        few pages) from tail as pressure evictions, never the start of ``link``'s chain,
+        give their pages back and try once more. SegmentFull when that is not enough (the
+        space went elsewhere again, or there was not that much to evict); nothing is
+        written then, the evicted records stay evicted and their pages are free.
+        """
+        try:
+            return self._log.append(head, tail, size, link, ids, entries, kind, expiry, flags, cap)
+        except SegmentFull:
+            target = max(0, head - tail - size - 4 * PAGE)
+            if link is not None:
+                target = max(target, head - link.floor)
+            tail = self._log.evict_to(head, tail, target)
+            self._log.release(head, tail)
+        return self._log.append(head, tail, size, link, ids, entries, kind, expiry, flags, cap)
 
     # --- memory pressure and maintenance ------------------------------------------------
 
@@ -604,7 +642,10 @@ class Store:
             self._words[W_SOFT_CAP] = target
             tail = self._log.sweep(head, tail, self._clock())
             tail = self._log.evict_to(head, tail, effective_cap(target, self._log.size))
-            self._log.release(head, tail)
+            try:
+                self._log.release(head, tail)
+            except FOREIGN_ERRORS as exc:  # madvise: the soft cap and evictions stand
+                raise translated(f"shrink {self.name}", exc) from exc
             used_after = head - tail
         finally:
             self._lock.release()

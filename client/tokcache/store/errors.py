@@ -4,7 +4,10 @@ Hierarchy::
 
     StoreError                  base: anything the store could not do
      ├── SegmentError           creating, attaching, mapping or unlinking shared memory failed
-     │                          (translated from posix_ipc / OSError, original as __cause__)
+     │    │                     (translated from posix_ipc / OSError, original as __cause__)
+     │    └── SegmentFull       the tmpfs behind /dev/shm has no room for pages a segment
+     │                          needs (ENOSPC): creating one too big for it, or a put whose
+     │                          pages were given back and could not be had again
      ├── SegmentMismatch        an existing segment is not usable by this opener (other layout
      │                          version, size, fingerprint, or a bad header check);
      │                          ``Store.open`` handles it by replacing the segment
@@ -29,6 +32,7 @@ __all__ = [
     "FOREIGN_ERRORS",
     "LockTimeout",
     "SegmentError",
+    "SegmentFull",
     "SegmentMismatch",
     "StoreClosed",
     "StoreError",
@@ -43,6 +47,15 @@ class StoreError(Exception):
 
 class SegmentError(StoreError):
     """Shared memory could not be created, attached, mapped or removed."""
+
+
+class SegmentFull(SegmentError):
+    """The tmpfs behind /dev/shm cannot allocate pages the segment needs (ENOSPC).
+
+    Raised instead of the SIGBUS a store into an unbackable mapped page would be: at
+    creation (the segment is allocated whole), and by a put that had to re-allocate pages
+    given back earlier while another process filled the tmpfs (the put stored nothing).
+    """
 
 
 class SegmentMismatch(StoreError):
