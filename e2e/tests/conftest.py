@@ -1,10 +1,17 @@
-"""Session fixtures: the tiny model, two sidecars, three vLLM servers started in parallel.
+"""Session fixtures: the tiny model, three sidecars, four vLLM servers started in parallel.
 
 - ``sidecar``: serves the model's own tokenizer (Qwen3) as ``qwen3``.
 - ``wrong_sidecar``: serves the Llama 3.2 tokenizer under the same name ``qwen3``.
+- ``node_sidecar``: the model's tokenizer again, for ``api2`` (the fail-open test kills ``sidecar``).
 - ``baseline``: vLLM without the plugin (``--tokenizer-mode auto``).
 - ``plugin``: ``--tokenizer-mode tokcache`` against ``sidecar``.
 - ``mismatch``: ``--tokenizer-mode tokcache`` against ``wrong_sidecar`` (``TOKCACHE_MODEL=qwen3``).
+- ``api2``: ``--tokenizer-mode tokcache --api-server-count 2`` against ``node_sidecar``, its
+  prometheus multiprocess directory at ``<workdir>/prom-api2`` (read per process by a test).
+
+``baseline``, ``plugin`` and ``api2`` run vLLM's CLI (``vllm serve``; ``baseline`` and ``plugin``
+with ``--api-server-count 1``) with ``--enable-prompt-tokens-details``; ``mismatch`` runs
+``python -m vllm.entrypoints.openai.api_server``.
 
 The vLLM servers are launched together at the start of the session (startup
 dominates the run time); every process is stopped at the end, whatever happens.
@@ -14,6 +21,7 @@ Tables and counters the tests produce are printed in pytest's terminal summary.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,13 +31,14 @@ from pathlib import Path
 
 import pytest
 
-from e2e.tests.harness import ROOT, Sidecar, VllmServer
+from e2e.tests.harness import DEADLINE_S, ROOT, Sidecar, VllmServer
 
 REPORT: list[str] = []
 
-# The plugin's knobs in these runs: a generous deadline (2 CPUs shared by three vLLM
-# servers and two sidecars) and a short breaker reset so recovery is quick to observe.
-PLUGIN_ENV = {"TOKCACHE_TIMEOUT_MS": "1000", "TOKCACHE_BREAKER_FAILURES": "3", "TOKCACHE_BREAKER_RESET_S": "1"}
+# The plugin's knobs in these runs: a generous deadline and record wait (DEADLINE_S, see harness)
+# and a short breaker reset so recovery is quick to observe.
+PLUGIN_ENV = {"TOKCACHE_TIMEOUT_MS": f"{DEADLINE_S * 1000:.0f}", "TOKCACHE_RECORD_WAIT_MS": f"{DEADLINE_S * 1000:.0f}",
+              "TOKCACHE_BREAKER_FAILURES": "3", "TOKCACHE_BREAKER_RESET_S": "1"}
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -103,25 +112,43 @@ def llama_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
-def stack(workdir: Path, model_dir: Path, shm_prefix: str, llama_dir: Path) -> Iterator[dict[str, object]]:
-    """Start both sidecars, then launch the three vLLM servers at once; stop everything after."""
+def stack(request: pytest.FixtureRequest, workdir: Path, model_dir: Path, shm_prefix: str,
+          llama_dir: Path) -> Iterator[dict[str, object]]:
+    """Start the sidecars, launch the vLLM servers at once (no waiting); stop everything after.
+
+    Only the servers the selected tests use are launched (all four in ``make e2e``).
+    """
+    wanted = {name for item in request.session.items for name in getattr(item, "fixturenames", ())}
     procs: dict[str, object] = {}
     try:
         # Console span exporter: the trace test finds the sidecar's spans in its log.
-        procs["sidecar"] = Sidecar(workdir, "sidecar", {"qwen3": model_dir}, shm_prefix + "-a",
-                                   env={"OTEL_TRACES_EXPORTER": "console", "OTEL_BSP_SCHEDULE_DELAY": "100"}).start()
-        procs["wrong_sidecar"] = Sidecar(workdir, "wrong-sidecar", {"qwen3": llama_dir}, shm_prefix + "-b").start()
-        sidecar, wrong = procs["sidecar"], procs["wrong_sidecar"]
-        assert isinstance(sidecar, Sidecar) and isinstance(wrong, Sidecar)
-        procs["baseline"] = VllmServer(workdir, "baseline", model_dir).launch()
-        procs["plugin"] = VllmServer(workdir, "plugin", model_dir, ["--tokenizer-mode", "tokcache"],
-                                     env={**PLUGIN_ENV, "TOKCACHE_ADDRESS": sidecar.address}).launch()
-        procs["mismatch"] = VllmServer(workdir, "mismatch", model_dir, ["--tokenizer-mode", "tokcache"],
-                                       env={**PLUGIN_ENV, "TOKCACHE_ADDRESS": wrong.address,
-                                            "TOKCACHE_MODEL": "qwen3"}).launch()
+        sidecar = Sidecar(workdir, "sidecar", {"qwen3": model_dir}, shm_prefix + "-a",
+                          env={"OTEL_TRACES_EXPORTER": "console", "OTEL_BSP_SCHEDULE_DELAY": "100"})
+        wrong = Sidecar(workdir, "wrong-sidecar", {"qwen3": llama_dir}, shm_prefix + "-b")
+        node = Sidecar(workdir, "node-sidecar", {"qwen3": model_dir}, shm_prefix + "-c")
+        procs.update(sidecar=sidecar.start(), wrong_sidecar=wrong.start(), node_sidecar=node.start())
+        details = ["--enable-prompt-tokens-details"]
+        prom = workdir / "prom-api2"  # vLLM wants it empty at start
+        shutil.rmtree(prom, ignore_errors=True)
+        prom.mkdir()
+        servers = {
+            "baseline": lambda: VllmServer(workdir, "baseline", model_dir, ["--tokenizer-mode", "auto", *details],
+                                           api_servers=1),
+            "plugin": lambda: VllmServer(workdir, "plugin", model_dir, ["--tokenizer-mode", "tokcache", *details],
+                                         env={**PLUGIN_ENV, "TOKCACHE_ADDRESS": sidecar.address}, api_servers=1),
+            "mismatch": lambda: VllmServer(workdir, "mismatch", model_dir, ["--tokenizer-mode", "tokcache"],
+                                           env={**PLUGIN_ENV, "TOKCACHE_ADDRESS": wrong.address,
+                                                "TOKCACHE_MODEL": "qwen3"}),
+            "api2": lambda: VllmServer(workdir, "api2", model_dir, ["--tokenizer-mode", "tokcache", *details],
+                                       env={**PLUGIN_ENV, "TOKCACHE_ADDRESS": node.address,
+                                            "PROMETHEUS_MULTIPROC_DIR": str(prom)}, api_servers=2),
+        }
+        for name, make in servers.items():
+            if name in wanted:
+                procs[name] = make().launch()
         yield procs
     finally:
-        for name in ("baseline", "plugin", "mismatch", "sidecar", "wrong_sidecar"):
+        for name in ("baseline", "plugin", "mismatch", "api2", "sidecar", "wrong_sidecar", "node_sidecar"):
             proc = procs.get(name)
             if proc is not None:
                 proc.stop()  # type: ignore[attr-defined]
@@ -157,3 +184,17 @@ def plugin(stack: dict[str, object], report: Callable[[str], None]) -> VllmServe
 @pytest.fixture(scope="session")
 def mismatch(stack: dict[str, object], report: Callable[[str], None]) -> VllmServer:
     return _server(stack, "mismatch", report)
+
+
+@pytest.fixture(scope="session")
+def api2(stack: dict[str, object], report: Callable[[str], None]) -> VllmServer:
+    return _server(stack, "api2", report)
+
+
+
+
+@pytest.fixture(scope="session")
+def node_sidecar(stack: dict[str, object]) -> Sidecar:
+    s = stack["node_sidecar"]
+    assert isinstance(s, Sidecar)
+    return s

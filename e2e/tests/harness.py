@@ -14,16 +14,25 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK_SIZE = 32  # CPU attention needs a multiple of 32; small blocks show small reuse differences
+# The tiny model's KV is 1 KiB per token: 128 MiB holds 131072 tokens, far more than a run
+# uses. (VLLM_CPU_KVCACHE_SPACE counts whole GiB: four servers would pin 4 GiB for nothing.)
+KV_CACHE_BYTES = 128 * 1024 * 1024
+# The plugin's Tokenize deadline and response wait in these runs: generous, because on 2 CPUs
+# shared by four vLLM servers, three sidecars and other jobs a sidecar call has been seen to
+# stall for 0.75 s (a 0.2 ms encode took 0.34 s), and a missed deadline is a fallback: a lost turn.
+DEADLINE_S = 2.0
 
 
 def free_port() -> int:
@@ -115,22 +124,36 @@ class Sidecar:
 
 
 class VllmServer:
-    """``python -m vllm.entrypoints.openai.api_server`` (CPU) on the tiny model."""
+    """A CPU vLLM on the tiny model.
+
+    ``api_servers=None``: ``python -m vllm.entrypoints.openai.api_server`` (one
+    API server process). ``api_servers=N``: vLLM's CLI, ``vllm serve MODEL
+    --api-server-count N`` (through ``e2e/vllm_cli.py``), which with N > 1
+    spawns N API server processes sharing the port (SO_REUSEPORT) and serves
+    /metrics from prometheus_client's multiprocess directory.
+    """
 
     def __init__(self, workdir: Path, name: str, model_dir: Path, args: Sequence[str] = (),
-                 env: Mapping[str, str] | None = None) -> None:
+                 env: Mapping[str, str] | None = None, *, api_servers: int | None = None) -> None:
         workdir.mkdir(parents=True, exist_ok=True)
         self.name = name
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model = str(model_dir)
+        self.api_servers = api_servers
         self.log_path = workdir / f"vllm-{name}.log"
-        self.cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-                    "--load-format", "dummy", "--dtype", "bfloat16", "--max-model-len", "4096",
-                    "--enable-prefix-caching", "--block-size", str(BLOCK_SIZE), "--enforce-eager",
-                    "--host", "127.0.0.1", "--port", str(self.port), *args]
-        clean = {k: v for k, v in os.environ.items() if not k.startswith("TOKCACHE_")}
-        self.env = {**clean, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1",
+        common = ["--load-format", "dummy", "--dtype", "bfloat16", "--max-model-len", "4096",
+                  "--enable-prefix-caching", "--block-size", str(BLOCK_SIZE), "--enforce-eager",
+                  "--kv-cache-memory-bytes", str(KV_CACHE_BYTES), "--host", "127.0.0.1", "--port", str(self.port)]
+        if api_servers is None:
+            self.cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+                        *common, *args]
+        else:
+            self.cmd = [sys.executable, str(ROOT / "e2e" / "vllm_cli.py"), "serve", str(model_dir), *common,
+                        "--api-server-count", str(api_servers), *args]
+        clean = {k: v for k, v in os.environ.items() if not k.startswith("TOKCACHE_")
+                 and k.upper() not in ("PROMETHEUS_MULTIPROC_DIR", "VLLM_CPU_KVCACHE_SPACE")}
+        self.env = {**clean, "VLLM_TARGET_DEVICE": "cpu",
                     "PYTHONWARNINGS": "ignore::DeprecationWarning", **(env or {})}
         self.proc: subprocess.Popen[bytes] | None = None
         self.started_at = 0.0
@@ -356,6 +379,129 @@ def run_chat(server: VllmServer, label: str, *, stream: bool, decode: Callable[[
     run.hits = after["vllm:prefix_cache_hits_total"] - before["vllm:prefix_cache_hits_total"]
     run.queries = after["vllm:prefix_cache_queries_total"] - before["vllm:prefix_cache_queries_total"]
     return run
+
+
+@dataclass
+class Reply:
+    """One chat completion (choice 0) as the client saw it."""
+
+    prompt_ids: list[int]
+    gen: list[int]
+    content: str
+    finish: str | None
+    cached: int | None  # usage.prompt_tokens_details.cached_tokens (--enable-prompt-tokens-details)
+    ttft: float | None  # streamed: seconds to the first chunk carrying generated ids or text
+    latency: float  # seconds to the end of the response
+
+
+def chat_reply(server: VllmServer, body: dict[str, Any], stream: bool) -> Reply:
+    """Like :func:`chat_turn`, plus cached prompt tokens and timings."""
+    t0 = time.monotonic()
+    if not stream:
+        resp = server.post("/v1/chat/completions", body)
+        choice = resp["choices"][0]
+        details = (resp.get("usage") or {}).get("prompt_tokens_details") or {}
+        return Reply(resp["prompt_token_ids"], choice["token_ids"], choice["message"]["content"] or "",
+                     choice.get("finish_reason"), details.get("cached_tokens"), None, time.monotonic() - t0)
+    prompt_ids: list[int] = []
+    gen: list[int] = []
+    text: list[str] = []
+    finish = None
+    cached = None
+    ttft = None
+    for chunk in server.stream("/v1/chat/completions", {**body, "stream_options": {"include_usage": True}}):
+        if chunk.get("prompt_token_ids"):
+            prompt_ids = chunk["prompt_token_ids"]
+        for choice in chunk.get("choices", []):
+            if choice.get("index", 0) != 0:
+                continue
+            ids = choice.get("token_ids") or []
+            piece = (choice.get("delta") or {}).get("content") or ""
+            if ttft is None and (ids or piece):
+                ttft = time.monotonic() - t0
+            gen.extend(ids)
+            text.append(piece)
+            finish = choice.get("finish_reason") or finish
+        if chunk.get("usage"):
+            cached = (chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
+    return Reply(prompt_ids, gen, "".join(text), finish, cached, ttft, time.monotonic() - t0)
+
+
+@dataclass
+class ConvTurn:
+    """Turn ``turn`` of conversation ``conv``; ``expected``: previous prompt + output, as for :class:`Turn`."""
+
+    conv: int
+    turn: int
+    reply: Reply
+    expected: int | None
+    common: int | None
+    held: int
+
+    @property
+    def exact(self) -> bool:
+        return self.expected is not None and self.common == self.expected
+
+    @property
+    def prefilled(self) -> int | None:
+        return None if self.reply.cached is None else len(self.reply.prompt_ids) - self.reply.cached
+
+
+def run_conversations(server: VllmServer, *, convs: int, turns: int, stream: bool, seed: int,
+                      decode: Callable[[list[int]], str], max_tokens: int = 40) -> list[ConvTurn]:
+    """``convs`` chats at once, each sending its next turn as soon as the previous response ended.
+
+    Conversation ``c``'s turn ``k`` uses seed ``seed + 100 * c + k`` (the same
+    conversations on every server). Returns every turn, by conversation then turn.
+    """
+    decode_lock = threading.Lock()  # one tokenizer object shared by the threads
+
+    def conversation(c: int) -> list[ConvTurn]:
+        messages: list[dict[str, str]] = [{"role": "system", "content": "You are a helpful assistant."}]
+        expected: list[int] | None = None
+        out: list[ConvTurn] = []
+        for k in range(1, turns + 1):
+            messages.append({"role": "user", "content": QUESTIONS[(k - 1) % len(QUESTIONS)]})
+            body = {"model": server.model, "messages": messages, "temperature": 1.0, "max_tokens": max_tokens,
+                    "return_token_ids": True, "seed": seed + 100 * c + k, "logit_bias": BANNED}
+            reply = chat_reply(server, body, stream)
+            with decode_lock:
+                held = held_back(reply.gen, reply.content, decode)
+            common = None if expected is None else common_prefix(reply.prompt_ids, expected)
+            out.append(ConvTurn(c, k, reply, None if expected is None else len(expected), common, held))
+            expected = reply.prompt_ids + reply.gen[:len(reply.gen) - held]
+            messages.append({"role": "assistant", "content": reply.content})
+        return out
+
+    with ThreadPoolExecutor(convs) as pool:
+        return [t for conv in pool.map(conversation, range(convs)) for t in conv]
+
+
+def histogram(metrics: Mapping[str, float], name: str) -> list[tuple[float, float]]:
+    """The cumulative buckets ``[(le, count), ...]`` of an unlabelled histogram in :meth:`VllmServer.metrics`."""
+    out = []
+    for key, value in metrics.items():
+        m = re.fullmatch(re.escape(name) + r'_bucket\{le="([^"]+)"\}', key)
+        if m:
+            out.append((float(m.group(1)), value))
+    return sorted(out)
+
+
+def histogram_quantile(buckets: Sequence[tuple[float, float]], q: float) -> float | None:
+    """Prometheus' ``histogram_quantile``: linear interpolation inside the bucket holding rank q."""
+    if not buckets or buckets[-1][1] <= 0:
+        return None
+    rank = q * buckets[-1][1]
+    prev_le, prev_count = 0.0, 0.0
+    for le, count in buckets:
+        if count >= rank:
+            if le == float("inf"):
+                return prev_le
+            if count == prev_count:
+                return le
+            return prev_le + (le - prev_le) * (rank - prev_count) / (count - prev_count)
+        prev_le, prev_count = le, count
+    return prev_le
 
 
 def wait_until(predicate: Any, timeout: float, interval: float = 0.25) -> bool:
