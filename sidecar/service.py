@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -318,8 +319,10 @@ class TokenizerService(pb_grpc.TokenizerServicer):  # generated base class, unty
                 if not self.draining:
                     raise
                 # end_streams() woke us: end the RPC with OK (a cancelled handler would
-                # leave it open, and server.stop would wait out the grace period).
-                task.uncancel()
+                # leave it open, and server.stop would wait out the grace period). Returning
+                # ends the task normally; 3.11+ also counts cancel requests, taken back here.
+                if sys.version_info >= (3, 11):
+                    task.uncancel()
                 return
             finally:
                 self._idle_streams.discard(task)

@@ -51,8 +51,8 @@ class AsyncSidecarClient:
                                   return_prompt_text=return_prompt_text)
         wait = timeout if timeout is not None else self.timeout
 
-        def unary() -> Any:
-            return self._call(self._stub.Tokenize, plan.req, timeout)
+        def unary(left: float | None) -> Any:
+            return self._call(self._stub.Tokenize, plan.req, left)
 
         return plan.finish(await self._stream.send(plan, wait, unary))
 

@@ -12,12 +12,18 @@ callers never queue behind each other. A stream that breaks (sidecar restart,
 drain, a deadline) is dropped and the request is retried once as a unary call
 (Tokenize has no side effect but caching); the next request opens a new one.
 A sidecar without ``TokenizeStream`` (UNIMPLEMENTED) turns streaming off.
+
+The caller's deadline holds on every path: the stream call is cancelled when it
+passes (a stream has one deadline for its whole life, not one per message, so the
+clients keep their own), a reply that arrives after it raises DeadlineExceeded as a
+unary call's would, and a unary fallback gets only what is left of it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import queue
+import sys
 import threading
 import time
 import weakref
@@ -37,10 +43,6 @@ __all__ = ["AsyncTokenizeStream", "SyncTokenizeStream", "STREAM_METHOD", "reply_
 STREAM_METHOD = "/tokcache.v1.Tokenizer/TokenizeStream"
 _SERIALIZE = pb.TokenizeStreamRequest.SerializeToString
 _DESERIALIZE = pb.TokenizeStreamResponse.FromString
-# How often the sync watchdog looks for a call past its deadline: often while one is
-# open, rarely while idle (a deadline is then honoured up to _IDLE_WATCH_S late).
-_WATCH_INTERVAL_S = 0.05
-_IDLE_WATCH_S = 0.5
 
 
 class StreamBroken(Exception):
@@ -58,43 +60,120 @@ def _unimplemented(exc: grpc.RpcError) -> bool:
     return hasattr(exc, "code") and exc.code() == grpc.StatusCode.UNIMPLEMENTED
 
 
+def _deadline(timeout: float | None) -> float | None:
+    """``timeout`` seconds from now on the monotonic clock (None: no deadline)."""
+    return None if timeout is None else time.monotonic() + timeout
+
+
+def _left(deadline: float | None) -> float | None:
+    """Seconds left before ``deadline``; DeadlineExceeded once it has passed."""
+    if deadline is None:
+        return None
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise _late(-left)
+    return left
+
+
+def _late(by: float) -> DeadlineExceeded:
+    return DeadlineExceeded(f"deadline exceeded ({by * 1e3:.1f} ms past it)", grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+class _Alarm:
+    """Cancels the sync stream's call when its deadline passes, from a thread of its own
+    (a blocking ``next()`` on a gRPC stream cannot time out). Sleeps until the deadline
+    of the armed call, or indefinitely while nothing is armed; holds no reference to the
+    stream, which ends it with :meth:`close` (also when collected unclosed)."""
+
+    def __init__(self) -> None:
+        # Guards every attribute below; the thread waits on it.
+        self._cond = threading.Condition()
+        self._call: Any = None
+        self._deadline: float | None = None
+        self._fired = False
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    def arm(self, call: Any, deadline: float) -> None:
+        """Cancel ``call`` at ``deadline`` (monotonic) unless :meth:`disarm` comes first."""
+        with self._cond:
+            self._call, self._deadline, self._fired = call, deadline, False
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="tokcache-stream-alarm", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def disarm(self) -> bool:
+        """Stop watching the armed call; True if the alarm cancelled it."""
+        with self._cond:
+            fired, self._fired = self._fired, False
+            self._call = self._deadline = None
+            return fired
+
+    def close(self) -> None:
+        """End the thread. Idempotent."""
+        with self._cond:
+            self._closed = True
+            self._call = self._deadline = None
+            self._cond.notify()
+
+    def _run(self) -> None:
+        with self._cond:
+            while not self._closed:
+                if self._deadline is None:
+                    self._cond.wait()
+                    continue
+                left = self._deadline - time.monotonic()
+                if left > 0:
+                    self._cond.wait(left)
+                    continue
+                call, self._call, self._deadline, self._fired = self._call, None, None, True
+                call.cancel()  # wakes the caller's next(); cancel() never calls back into us
+
+
 class SyncTokenizeStream:
     """The blocking client's stream. ``call`` returns a reply, or raises StreamBroken,
-    DeadlineExceeded (the stream is dropped) or the reply's error."""
+    DeadlineExceeded or the reply's error.
+
+    ``unary(timeout)`` sends the request as a unary call with that deadline (None = none),
+    raising client errors. Thread-safe: a caller that finds the stream busy calls ``unary``.
+    """
 
     def __init__(self, channel: grpc.Channel, metadata: Sequence[tuple[str, str]]) -> None:
         self._channel = channel
         self._metadata = tuple(metadata) or None
+        # Held by the one caller using the stream; the others make unary calls.
         self._lock = threading.Lock()
         self.enabled = True
         self._requests: queue.SimpleQueue[Any] | None = None
         self._replies: Any = None
-        # Watchdog state: the open call's deadline (monotonic) and whether it cancelled it.
-        self._deadline: float | None = None
-        self._expired = False
-        self._closed = threading.Event()
-        self._watchdog: threading.Thread | None = None
+        self._alarm = _Alarm()
+        # A client dropped without close() is collected; its alarm thread then ends.
+        weakref.finalize(self, self._alarm.close)
 
     def send(self, plan: TokenizePlan, timeout: float | None,
-             unary: Callable[[], pb.TokenizeResponse]) -> pb.TokenizeResponse:
-        """The reply to ``plan``'s request (``unary`` sends ``plan.req``, raising client errors);
+             unary: Callable[[float | None], pb.TokenizeResponse]) -> pb.TokenizeResponse:
+        """The reply to ``plan``'s request within ``timeout`` seconds (``unary`` sends ``plan.req``);
         once more with the whole text when the sidecar lost the request delta's base."""
+        deadline = _deadline(timeout)
         try:
-            return self.try_call(plan.sreq, timeout, unary)
+            return self.try_call(plan.sreq, deadline, unary)
         except UnknownResultError:
             if not plan.resend_whole_text():
                 raise
-            return self.try_call(plan.sreq, timeout, unary)
+            return self.try_call(plan.sreq, deadline, unary)
 
-    def try_call(self, request: pb.TokenizeStreamRequest, timeout: float | None,
-                 unary: Callable[[], pb.TokenizeResponse]) -> pb.TokenizeResponse:
-        """Send ``request`` on the stream if it is free, else (or when it breaks) call ``unary``."""
+    def try_call(self, request: pb.TokenizeStreamRequest, deadline: float | None,
+                 unary: Callable[[float | None], pb.TokenizeResponse]) -> pb.TokenizeResponse:
+        """Send ``request`` on the stream if it is free, else (or when it breaks) call ``unary``
+        with what is left before ``deadline`` (monotonic; None = no deadline)."""
+        left = _left(deadline)
         if not self.enabled or not self._lock.acquire(blocking=False):
-            return unary()
+            return unary(left)
         try:
-            reply = self._call(request, timeout)
+            reply = self._call(request, deadline)
         except StreamBroken:
-            return unary()
+            return unary(_left(deadline))
         finally:
             self._lock.release()
         return reply_response(reply)
@@ -106,11 +185,6 @@ class SyncTokenizeStream:
         # grpc consumes the iterator on its own thread; None ends the stream.
         self._replies = method(iter(requests.get, None), metadata=self._metadata)
         self._requests = requests
-        if self._watchdog is None:
-            # A weak reference: a client dropped without close() is collected, and the thread ends.
-            self._watchdog = threading.Thread(target=_watch, args=(weakref.ref(self), self._closed),
-                                              name="tokcache-stream-watchdog", daemon=True)
-            self._watchdog.start()
 
     def _drop(self) -> None:
         if self._requests is not None:
@@ -119,60 +193,46 @@ class SyncTokenizeStream:
             self._replies.cancel()
         self._requests = self._replies = None
 
-    def _call(self, request: pb.TokenizeStreamRequest, timeout: float | None) -> pb.TokenizeStreamResponse:
+    def _call(self, request: pb.TokenizeStreamRequest, deadline: float | None) -> pb.TokenizeStreamResponse:
         if self._replies is not None and self._replies.done():
             self._drop()  # ended while idle (sidecar restarted, drained): start a new one
         if self._replies is None:
             self._open()
         assert self._requests is not None
-        self._expired = False
-        self._deadline = None if timeout is None else time.monotonic() + timeout
+        replies = self._replies
+        if deadline is not None:
+            self._alarm.arm(replies, deadline)
         try:
             self._requests.put(request)
-            reply: pb.TokenizeStreamResponse = next(self._replies)
-        except StopIteration as exc:
+            reply: pb.TokenizeStreamResponse = next(replies)
+        except (StopIteration, grpc.RpcError) as exc:
             self._drop()
-            raise StreamBroken("the sidecar ended the stream") from exc
-        except grpc.RpcError as exc:
-            self._drop()
-            if self._expired:
-                raise DeadlineExceeded(f"no reply within {timeout}s", grpc.StatusCode.DEADLINE_EXCEEDED) from exc
+            if self._alarm.disarm():
+                raise _late(time.monotonic() - deadline if deadline is not None else 0.0) from exc
+            if isinstance(exc, StopIteration):
+                raise StreamBroken("the sidecar ended the stream") from exc
             if _unimplemented(exc):
                 self.enabled = False
             raise StreamBroken(str(exc)) from exc
-        finally:
-            self._deadline = None
-        if reply.WhichOneof("result") == "error" and reply.error.code == "UNAVAILABLE":
-            self._drop()  # a draining sidecar ends the stream after this reply
+        except BaseException:
+            self._alarm.disarm()
+            self._drop()  # a reply may still be on its way: the stream is out of step
+            raise
+        if self._alarm.disarm() or (reply.WhichOneof("result") == "error" and reply.error.code == "UNAVAILABLE"):
+            self._drop()  # cancelled as the reply came in; or a draining sidecar ends the stream after it
+        if deadline is not None and time.monotonic() > deadline:
+            raise _late(time.monotonic() - deadline)  # as a unary call's reply after its deadline
         return reply
 
-    def _expire_if_late(self) -> None:
-        """Cancel the stream when the open call has passed its deadline."""
-        deadline, replies = self._deadline, self._replies
-        if deadline is not None and replies is not None and time.monotonic() > deadline:
-            self._expired = True
-            replies.cancel()
-
     def close(self) -> None:
-        self._closed.set()
+        self._alarm.close()
         with self._lock:
             self._drop()
 
 
-def _watch(ref: weakref.ReferenceType[SyncTokenizeStream], closed: threading.Event) -> None:
-    """The sync watchdog: often while a call waits, rarely while idle, until closed or collected."""
-    interval = _IDLE_WATCH_S
-    while not closed.wait(interval):
-        stream = ref()
-        if stream is None:
-            return
-        stream._expire_if_late()
-        interval = _WATCH_INTERVAL_S if stream._deadline is not None else _IDLE_WATCH_S
-        del stream
-
-
 class AsyncTokenizeStream:
-    """The asyncio client's stream (one event loop). Same contract as the sync one."""
+    """The asyncio client's stream (one event loop). Same contract as the sync one,
+    ``unary(timeout)`` returning an awaitable."""
 
     def __init__(self, channel: grpc.aio.Channel, metadata: Sequence[tuple[str, str]]) -> None:
         self._method = channel.stream_stream(STREAM_METHOD, request_serializer=_SERIALIZE,
@@ -180,63 +240,85 @@ class AsyncTokenizeStream:
         self._metadata = tuple(metadata) or None
         self._call_obj: Any = None
         self._busy = False
+        # Set by the deadline timer when it cancelled the call in flight.
+        self._expired = False
         self.enabled = True
 
-    async def send(self, plan: TokenizePlan, timeout: float | None, unary: Callable[[], Any]) -> pb.TokenizeResponse:
-        """See :meth:`SyncTokenizeStream.send`; ``unary()`` returns an awaitable."""
+    async def send(self, plan: TokenizePlan, timeout: float | None,
+                   unary: Callable[[float | None], Any]) -> pb.TokenizeResponse:
+        """See :meth:`SyncTokenizeStream.send`."""
+        deadline = _deadline(timeout)
         try:
-            return await self.try_call(plan.sreq, timeout, unary)
+            return await self.try_call(plan.sreq, deadline, unary)
         except UnknownResultError:
             if not plan.resend_whole_text():
                 raise
-            return await self.try_call(plan.sreq, timeout, unary)
+            return await self.try_call(plan.sreq, deadline, unary)
 
-    async def try_call(self, request: pb.TokenizeStreamRequest, timeout: float | None,
-                       unary: Callable[[], Any]) -> pb.TokenizeResponse:
-        """Send ``request`` on the stream if it is free, else (or when it breaks) await ``unary()``."""
+    async def try_call(self, request: pb.TokenizeStreamRequest, deadline: float | None,
+                       unary: Callable[[float | None], Any]) -> pb.TokenizeResponse:
+        """See :meth:`SyncTokenizeStream.try_call`."""
+        left = _left(deadline)
         if not self.enabled or self._busy:
-            return await unary()  # type: ignore[no-any-return]
+            return await unary(left)  # type: ignore[no-any-return]
         self._busy = True
         try:
-            reply = await self._call(request, timeout)
+            reply = await self._call(request, deadline)
         except StreamBroken:
-            return await unary()  # type: ignore[no-any-return]
+            return await unary(_left(deadline))  # type: ignore[no-any-return]
         finally:
             self._busy = False
         return reply_response(reply)
 
-    async def _call(self, request: pb.TokenizeStreamRequest, timeout: float | None) -> pb.TokenizeStreamResponse:
+    async def _call(self, request: pb.TokenizeStreamRequest, deadline: float | None) -> pb.TokenizeStreamResponse:
         if self._call_obj is not None and self._call_obj.done():
             self._drop()  # ended while idle (sidecar restarted, drained): start a new one
         if self._call_obj is None:
             self._call_obj = self._method(metadata=self._metadata)
         call = self._call_obj
+        self._expired = False
+        # The call is cancelled at the deadline (as the sync alarm does) rather than this task:
+        # asyncio.timeout is 3.11+, and wait_for would wrap every request in a task of its own.
+        timer = None if deadline is None else asyncio.get_running_loop().call_later(
+            max(0.0, deadline - time.monotonic()), self._expire, call)
         try:
-            async with asyncio.timeout(timeout):
-                await call.write(request)
-                reply = await call.read()
-        except TimeoutError as exc:
-            self._drop()
-            raise DeadlineExceeded(f"no reply within {timeout}s", grpc.StatusCode.DEADLINE_EXCEEDED) from exc
+            await call.write(request)
+            reply = await call.read()
         except grpc.RpcError as exc:
             self._drop()
+            if self._expired:
+                raise _late(time.monotonic() - deadline if deadline is not None else 0.0) from exc
             if _unimplemented(exc):
                 self.enabled = False
             raise StreamBroken(str(exc)) from exc
         except (asyncio.InvalidStateError, grpc.aio.UsageError) as exc:
             self._drop()  # the RPC finished between our check and the write ("RPC already finished")
+            if self._expired:
+                raise _late(time.monotonic() - deadline if deadline is not None else 0.0) from exc
             raise StreamBroken(str(exc)) from exc
-        except asyncio.CancelledError:
+        except asyncio.CancelledError as exc:
             self._drop()  # a reply may still be on its way: the stream is out of step
+            if self._expired and not _task_cancelled():
+                raise _late(time.monotonic() - deadline if deadline is not None else 0.0) from exc
             raise
+        finally:
+            if timer is not None:
+                timer.cancel()
         if reply is grpc.aio.EOF:
             self._drop()
             if await call.code() == grpc.StatusCode.UNIMPLEMENTED:  # the RPC ended before our read
                 self.enabled = False
             raise StreamBroken("the sidecar ended the stream")
-        if reply.WhichOneof("result") == "error" and reply.error.code == "UNAVAILABLE":
-            self._drop()
+        if self._expired or (reply.WhichOneof("result") == "error" and reply.error.code == "UNAVAILABLE"):
+            self._drop()  # cancelled as the reply came in; or a draining sidecar ends the stream after it
+        if deadline is not None and time.monotonic() > deadline:
+            raise _late(time.monotonic() - deadline)  # as a unary call's reply after its deadline
         return reply  # type: ignore[no-any-return]
+
+    def _expire(self, call: Any) -> None:
+        if call is self._call_obj:
+            self._expired = True
+            call.cancel()
 
     def _drop(self) -> None:
         if self._call_obj is not None:
@@ -245,3 +327,11 @@ class AsyncTokenizeStream:
 
     def close(self) -> None:
         self._drop()
+
+
+def _task_cancelled() -> bool:
+    """Whether this task itself is being cancelled (3.11+ can tell; 3.10 cannot, so False)."""
+    if sys.version_info < (3, 11):
+        return False
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0

@@ -77,6 +77,7 @@ class Metrics:
 
     def __init__(self, stores: Callable[[], Mapping[str, Any]] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self._http: Any = None  # the /metrics HTTP server, once serving
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         r = self.registry
         self.rpc_requests = Counter("tokcache_rpc_requests", "RPCs handled, by method and status code",
@@ -149,6 +150,18 @@ class Metrics:
             child(self.store_fallbacks, model).inc()
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> None:
-        """Expose /metrics on ``addr:port`` from a daemon thread."""
-        start_http_server(port, addr=addr, registry=self.registry)
+        """Expose /metrics on ``addr:port`` from a daemon thread until :meth:`close`.
+
+        Raises OSError if the port cannot be bound (nothing is left running then).
+        """
+        started = start_http_server(port, addr=addr, registry=self.registry)
+        # prometheus-client returns (server, thread) since 0.17; older ones return None.
+        self._http = started[0] if isinstance(started, tuple) else None
         log.info("metrics on http://%s:%d/metrics", addr, port)
+
+    def close(self) -> None:
+        """Stop serving /metrics and free the port. Idempotent."""
+        http, self._http = self._http, None
+        if http is not None:
+            http.shutdown()
+            http.server_close()

@@ -9,6 +9,7 @@ the same typed exceptions, and that restarts, drains and deadlines are handled.
 from __future__ import annotations
 
 import asyncio
+import gc
 import signal
 import threading
 import time
@@ -365,3 +366,104 @@ def test_handles_do_not_cross_salts(sidecar: SidecarProcess) -> None:
         b = stub.Tokenize(pb.TokenizeRequest(model="qwen3", text=text, cache_salt="b",
                                              known_results=[a.result_handle]))
         assert not b.base_handle and len(b.token_ids) // 4 == b.num_tokens
+
+
+@pytest.fixture(scope="module")
+def big_sidecar(tmp_path_factory: pytest.TempPathFactory, qwen3_path: Path) -> Iterator[SidecarProcess]:
+    """A sidecar that takes 8 MiB prompts (the default limit)."""
+    tmp = tmp_path_factory.mktemp("stream-big")
+    prefix = f"tkt-big-{uuid.uuid4().hex[:8]}"
+    proc = SidecarProcess(tmp, {"qwen3": qwen3_path}, prefix, "--shm-size", "64MiB").start()
+    yield proc
+    code = proc.stop()
+    for p in Path("/dev/shm").glob(f"*{prefix}*"):
+        p.unlink()
+    assert code == 0, proc.log()
+
+
+def _big_chat() -> list[dict[str, str]]:
+    """~3.6 MB that nothing has cached: tens of ms of work for the sidecar, and megabytes each way.
+
+    Chat messages: a client sends them over RPC whether or not it can map the segment."""
+    text = f"{uuid.uuid4().hex} " + "The quick brown fox jumps over the lazy dog, 12345. 你好 " * 60_000
+    return [{"role": "user", "content": text}]
+
+
+def _chat(text: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": text}]
+
+
+# The issue this answers: 3.6 MB with timeout=0.005 came back OK after 0.154 s on the stream
+# (the sync watchdog polled every 0.5 s while idle); the unary call raised at 0.009 s.
+DEADLINE_S = 0.005
+DEADLINE_BOUND_S = 0.1
+
+
+def test_sync_stream_holds_a_tiny_deadline(big_sidecar: SidecarProcess) -> None:
+    with SidecarClient(big_sidecar.address, timeout=30) as c:
+        c.tokenize("qwen3", messages=_chat("warm the stream up"))
+        assert c._stream._replies is not None
+        for chat in [_big_chat() for _ in range(3)]:
+            t0 = time.monotonic()
+            with pytest.raises(DeadlineExceeded):
+                c.tokenize("qwen3", messages=chat, timeout=DEADLINE_S)
+            assert time.monotonic() - t0 < DEADLINE_BOUND_S
+        # The stream was cancelled and dropped; the next call opens a new one and is served.
+        assert c.tokenize("qwen3", messages=_chat("after")).token_ids
+        assert c._stream._replies is not None
+
+
+def test_async_stream_holds_a_tiny_deadline(big_sidecar: SidecarProcess) -> None:
+    async def run() -> list[float]:
+        took = []
+        async with AsyncSidecarClient(big_sidecar.address, timeout=30) as c:
+            await c.tokenize("qwen3", messages=_chat("warm the stream up"))
+            assert c._stream._call_obj is not None
+            for chat in [_big_chat() for _ in range(3)]:
+                t0 = time.monotonic()
+                with pytest.raises(DeadlineExceeded):
+                    await c.tokenize("qwen3", messages=chat, timeout=DEADLINE_S)
+                took.append(time.monotonic() - t0)
+            assert (await c.tokenize("qwen3", messages=_chat("after"))).token_ids
+            assert c._stream._call_obj is not None
+        return took
+
+    assert max(asyncio.run(run())) < DEADLINE_BOUND_S
+
+
+def test_a_reply_after_the_deadline_is_not_returned(big_sidecar: SidecarProcess) -> None:
+    """With the cancellation at the deadline switched off, the reply does arrive, late: it
+    must still raise DeadlineExceeded, as a unary call's late reply does."""
+    chat = _big_chat()
+    with SidecarClient(big_sidecar.address, timeout=30) as c:
+        c._stream._alarm.arm = lambda call, deadline: None  # type: ignore[method-assign]
+        with pytest.raises(DeadlineExceeded):
+            c.tokenize("qwen3", messages=chat, timeout=DEADLINE_S)
+        assert c._stream._replies is not None  # the stream is still in step: kept
+        assert c.tokenize("qwen3", messages=_chat("after"), timeout=10).token_ids
+
+    async def run() -> None:
+        async with AsyncSidecarClient(big_sidecar.address, timeout=30) as c:
+            c._stream._expire = lambda call: None  # type: ignore[method-assign]
+            with pytest.raises(DeadlineExceeded):
+                await c.tokenize("qwen3", messages=_big_chat(), timeout=DEADLINE_S)
+            assert c._stream._call_obj is not None
+            assert (await c.tokenize("qwen3", messages=_chat("after"), timeout=10)).token_ids
+
+    asyncio.run(run())
+
+
+def test_an_idle_dropped_client_ends_its_alarm_thread(big_sidecar: SidecarProcess) -> None:
+    def alarms() -> int:
+        return sum(t.name == "tokcache-stream-alarm" for t in threading.enumerate())
+
+    before = alarms()
+    c = SidecarClient(big_sidecar.address)
+    c.tokenize("qwen3", messages=_chat("x"), timeout=10)
+    assert alarms() == before + 1
+    del c  # never closed
+    deadline = time.monotonic() + 5
+    while alarms() > before and time.monotonic() < deadline:
+        gc.collect()  # the client may sit in a reference cycle
+        time.sleep(0.02)
+    assert alarms() == before

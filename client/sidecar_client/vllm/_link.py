@@ -285,9 +285,9 @@ class SidecarLink:
             assert self._tstream is not None
             timeout = self.config.timeout_s
 
-            async def unary() -> Any:
+            async def unary(left: float | None) -> Any:
                 try:
-                    return await stub.Tokenize(plan.req, timeout=timeout, metadata=tuple(trace) or None)
+                    return await stub.Tokenize(plan.req, timeout=left, metadata=tuple(trace) or None)
                 except grpc.RpcError as exc:
                     raise translate(exc) from exc
 

@@ -1,0 +1,81 @@
+"""``tokcache-sidecar stats`` and ``clean`` on real segments in /dev/shm (the real CLI, in a subprocess).
+
+Segments outlive a clean stop by design (a restarted sidecar re-attaches warm). ``stats``
+without ``--shm-prefix`` used to print ``[]`` unless the prefix was the default; ``clean``
+removes what a prefix left behind and keeps what a live process still maps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+from tokcache.store import Store
+
+SHM = Path("/dev/shm")
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "TOKCACHE_SHM_PREFIX"}
+    return subprocess.run([sys.executable, "-m", "tokcache.sidecar.cli", *args], capture_output=True, text=True,
+                          timeout=60, env=env)
+
+
+def _open(prefix: str) -> Store:
+    return Store.open(prefix=prefix, fingerprint=uuid.uuid4().hex, size=2 << 20)
+
+
+def test_stats_without_a_prefix_lists_every_prefix(shm_prefix: str) -> None:
+    stores = [_open(shm_prefix), _open(f"{shm_prefix}.other")]
+    try:
+        out = _cli("stats")
+        assert out.returncode == 0, out.stderr
+        names = {item["name"] for item in json.loads(out.stdout)}
+        assert {s.name.lstrip("/") for s in stores} <= names
+        only = _cli("stats", "--shm-prefix", shm_prefix)
+        assert [item["name"] for item in json.loads(only.stdout)] == [stores[0].name.lstrip("/")]
+        assert json.loads(only.stdout)[0]["capacity"] > 0
+        none = _cli("stats", "--shm-prefix", f"{shm_prefix}-none")
+        assert none.returncode == 0 and json.loads(none.stdout) == []
+        assert "no tokcache segments under the prefix" in none.stderr
+    finally:
+        for store in stores:
+            store.close()
+
+
+def test_clean_keeps_what_a_live_process_maps_and_removes_the_rest(shm_prefix: str) -> None:
+    store = _open(shm_prefix)
+    name = store.name.lstrip("/")
+    files = [SHM / name, SHM / f"sem.{name}.lock"]
+    assert all(f.exists() for f in files)
+    try:
+        kept = _cli("clean", "--shm-prefix", shm_prefix)
+        assert kept.returncode == 1, kept.stdout + kept.stderr
+        assert f"kept {SHM / name}: mapped by pid {os.getpid()} " in kept.stdout
+        assert all(f.exists() for f in files)
+    finally:
+        store.close()
+    removed = _cli("clean", "--shm-prefix", shm_prefix)
+    assert removed.returncode == 0, removed.stdout + removed.stderr
+    assert removed.stdout.splitlines() == [f"removed {SHM / name} ({2 << 20} bytes)",
+                                           f"removed {SHM / f'sem.{name}.lock'} (32 bytes)"]
+    assert not any(f.exists() for f in files)
+    again = _cli("clean", "--shm-prefix", shm_prefix)
+    assert again.returncode == 0 and again.stdout.startswith("nothing to clean")
+
+
+def test_clean_force_removes_mapped_segments_and_leaves_other_prefixes(shm_prefix: str) -> None:
+    mine, other = _open(shm_prefix), _open(f"{shm_prefix}.other")
+    try:
+        out = _cli("clean", "--shm-prefix", shm_prefix, "--force")
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert f"(still mapped by pid {os.getpid()} " in out.stdout
+        assert not (SHM / mine.name.lstrip("/")).exists()
+        assert (SHM / other.name.lstrip("/")).exists()  # a prefix is matched whole, not as a string prefix
+    finally:
+        mine.close()
+        other.close()
