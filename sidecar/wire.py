@@ -4,6 +4,12 @@ The proto carries chat messages typed (role, content or parts, tool calls…)
 and the free-form parts (tools, template kwargs, extra message keys) as JSON.
 Here they become the plain dicts the chat template sees, exactly as
 ``transformers.apply_chat_template`` would receive them from a Python caller.
+
+Errors name fields as the Python client's caller passed them and as the
+renderer names them (``messages[2].role``, ``tools``, ``chat_template_kwargs``,
+``messages[1].tool_calls[0].function.arguments``): one request, one naming,
+whichever layer refuses it. A field carried as JSON says so in the message
+(``tools: invalid JSON in tools_json: ...``) for raw gRPC callers.
 """
 
 from __future__ import annotations
@@ -55,20 +61,20 @@ def _depth_ok(value: Any, limit: int) -> bool:
     return True
 
 
-def _json(text: str, field: str, kind: type) -> Any:
+def _json(text: str, field: str, proto_field: str, kind: type) -> Any:
     try:
         value = json.loads(text)
     except (ValueError, RecursionError) as exc:
-        raise InvalidRequest(field, f"invalid JSON: {exc}") from exc
+        raise InvalidRequest(field, f"invalid JSON in {proto_field}: {exc}") from exc
     if not isinstance(value, kind):
-        raise InvalidRequest(field, f"expected a JSON {'object' if kind is dict else 'array'}")
+        raise InvalidRequest(field, f"{proto_field}: expected a JSON {'object' if kind is dict else 'array'}")
     if not _depth_ok(value, MAX_JSON_DEPTH):
-        raise InvalidRequest(field, f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
+        raise InvalidRequest(field, f"{proto_field}: JSON nested deeper than {MAX_JSON_DEPTH} levels")
     return value
 
 
 def _message(m: pb.ChatMessage, i: int) -> dict[str, Any]:
-    where = f"chat.messages[{i}]"
+    where = f"messages[{i}]"
     if not m.role:
         raise InvalidRequest(f"{where}.role", "is required")
     out: dict[str, Any] = {"role": m.role}
@@ -97,8 +103,8 @@ def _message(m: pb.ChatMessage, i: int) -> dict[str, Any]:
             fn: dict[str, Any] = {"name": call.function.name}
             which = call.function.WhichOneof("arguments_kind")
             if which == "arguments_json":
-                fn["arguments"] = _json(call.function.arguments_json,
-                                        f"{where}.tool_calls[{j}].function.arguments_json", dict)
+                fn["arguments"] = _json(call.function.arguments_json, f"{where}.tool_calls[{j}].function.arguments",
+                                        "arguments_json", dict)
             elif which == "arguments":
                 fn["arguments"] = call.function.arguments
             entry: dict[str, Any] = {"type": call.type or "function", "function": fn}
@@ -107,10 +113,10 @@ def _message(m: pb.ChatMessage, i: int) -> dict[str, Any]:
             calls.append(entry)
         out["tool_calls"] = calls
     if m.extra_json:
-        extra = _json(m.extra_json, f"{where}.extra_json", dict)
+        extra = _json(m.extra_json, where, "extra_json (the message's other keys)", dict)
         clash = set(extra) & set(out)
         if clash:
-            raise InvalidRequest(f"{where}.extra_json", f"repeats typed fields {sorted(clash)}")
+            raise InvalidRequest(where, f"extra_json repeats typed fields {sorted(clash)}")
         out.update(extra)
     return out
 
@@ -118,16 +124,16 @@ def _message(m: pb.ChatMessage, i: int) -> dict[str, Any]:
 def chat_from_proto(chat: pb.ChatInput) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """(messages, render options) from a ChatInput; InvalidRequest names the bad field."""
     if not chat.messages:
-        raise InvalidRequest("chat.messages", "at least one message is required")
+        raise InvalidRequest("messages", "at least one message is required")
     messages = [_message(m, i) for i, m in enumerate(chat.messages)]
     options: dict[str, Any] = {
         "add_generation_prompt": chat.add_generation_prompt,
         "continue_final_message": chat.continue_final_message,
     }
     if chat.tools_json:
-        options["tools"] = _json(chat.tools_json, "chat.tools_json", list)
+        options["tools"] = _json(chat.tools_json, "tools", "tools_json", list)
     if chat.chat_template_kwargs_json:
         options["chat_template_kwargs"] = _json(
-            chat.chat_template_kwargs_json, "chat.chat_template_kwargs_json", dict)
+            chat.chat_template_kwargs_json, "chat_template_kwargs", "chat_template_kwargs_json", dict)
     return messages, options
 

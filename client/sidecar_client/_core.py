@@ -1,27 +1,28 @@
 """What the sync and async clients share: building requests, reading responses.
 
-No I/O here. Messages are OpenAI-style dicts; they are validated before
-sending so a bad field is reported without a round trip, with the same field
-names the server uses.
+No I/O here. Every ``build_*`` validates its arguments first (``_validate``), so a
+malformed one is reported without a round trip, as InvalidArgumentError naming the
+caller's own argument (``messages[2].tool_calls[0].function``), and the builders
+below only convert arguments that passed.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from sidecar_client import _validate
 from sidecar_client._models import CacheDecision, ModelInfo, TokenizeResult
 from sidecar_client._results import ResultCache, group_of
 from sidecar_client.errors import InvalidArgumentError, SidecarInternalError
-from tokcache.ids import pack_ids as _pack_ids
 from tokcache.ids import unpack_ids
 from tokcache.v1 import tokenizer_pb2 as pb
 
-__all__ = ["ADDRESS_ENV", "TokenizePlan", "assemble_ids", "build_chat", "build_record", "build_tokenize",
-           "channel_target", "default_address", "pack_ids", "read_models", "read_tokenize", "record_kwargs",
-           "unpack_ids"]
+__all__ = ["ADDRESS_ENV", "TokenizePlan", "assemble_ids", "build_chat", "build_record", "build_records",
+           "build_render", "build_tokenize", "channel_target", "check_timeout", "check_tokenize", "default_address",
+           "pack_ids", "read_models", "read_tokenize", "record_kwargs", "unpack_ids"]
 
 ADDRESS_ENV = "TOKCACHE_ADDRESS"
 DEFAULT_ADDRESS = "unix:///run/tokcache/tokcache.sock"
@@ -30,7 +31,6 @@ _MODES = {None: pb.TOKENIZE_MODE_UNSPECIFIED, "kv-stable": pb.TOKENIZE_MODE_KV_S
           "exact": pb.TOKENIZE_MODE_EXACT}
 _SOURCES = {pb.CACHE_SOURCE_MISS: "miss", pb.CACHE_SOURCE_L0: "l0", pb.CACHE_SOURCE_L1: "l1",
             pb.CACHE_SOURCE_AR: "ar"}
-_TYPED_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content"}
 
 # Channel options: large prompts, and no proxy lookups for a local socket.
 CHANNEL_OPTIONS = [
@@ -52,83 +52,82 @@ def channel_target(address: str) -> str:
     return address
 
 
-def _bad(field: str, message: str) -> InvalidArgumentError:
-    return InvalidArgumentError(f"{field}: {message}", field=field)
-
-
-def _message(m: Any, i: int) -> pb.ChatMessage:
-    where = f"chat.messages[{i}]"
-    if not isinstance(m, Mapping):
-        raise _bad(where, f"expected a mapping, got {type(m).__name__}")
-    role = m.get("role")
-    if not isinstance(role, str) or not role:
-        raise _bad(f"{where}.role", "is required (a non-empty string)")
-    msg = pb.ChatMessage(role=role)
+def _message(m: Mapping[str, Any]) -> pb.ChatMessage:
+    """A message that passed :func:`_validate.chat` as its proto."""
+    msg = pb.ChatMessage(role=m["role"])
     content = m.get("content")
     if isinstance(content, str):
         msg.content = content
-    elif isinstance(content, Sequence) and not isinstance(content, (bytes, bytearray)):
-        parts = []
-        for j, part in enumerate(content):
-            if not isinstance(part, Mapping) or not isinstance(part.get("text", ""), str):
-                raise _bad(f"{where}.content[{j}]", "expected {'type': 'text', 'text': str}")
-            parts.append(pb.ContentPart(type=str(part.get("type", "")), text=part.get("text", "")))
-        msg.content_parts.parts.extend(parts)
-        msg.content_parts.SetInParent()
     elif content is not None:
-        raise _bad(f"{where}.content", f"expected str, list of parts or None, got {type(content).__name__}")
+        msg.content_parts.parts.extend(pb.ContentPart(type=p["type"], text=p["text"]) for p in content)
+        msg.content_parts.SetInParent()  # an empty list is still a list, not None
     for key in ("name", "tool_call_id", "reasoning_content"):
         value = m.get(key)
         if value is not None:
-            if not isinstance(value, str):
-                raise _bad(f"{where}.{key}", f"expected str, got {type(value).__name__}")
             setattr(msg, key, value)
-    calls = m.get("tool_calls")
-    if calls:
-        if not isinstance(calls, Sequence):
-            raise _bad(f"{where}.tool_calls", "expected a list")
-        for j, call in enumerate(calls):
-            if not isinstance(call, Mapping):
-                raise _bad(f"{where}.tool_calls[{j}]", "expected a mapping")
-            fn = call.get("function") or {}
-            if not isinstance(fn, Mapping):
-                raise _bad(f"{where}.tool_calls[{j}].function", "expected a mapping")
-            tc = msg.tool_calls.add(id=str(call.get("id") or ""), type=str(call.get("type") or "function"))
-            tc.function.name = str(fn.get("name") or "")
-            args = fn.get("arguments")
-            if isinstance(args, str):
-                tc.function.arguments = args
-            elif isinstance(args, Mapping):
-                tc.function.arguments_json = json.dumps(args, ensure_ascii=False)
-            elif args is not None:
-                raise _bad(f"{where}.tool_calls[{j}].function.arguments", "expected str or mapping")
-    extra = {k: v for k, v in m.items() if k not in _TYPED_KEYS}
+    for call in m.get("tool_calls") or ():
+        fn = call["function"]
+        tc = msg.tool_calls.add(id=call.get("id") or "", type=call.get("type") or "function")
+        tc.function.name = fn["name"]
+        args = fn["arguments"]
+        if isinstance(args, str):
+            tc.function.arguments = args
+        else:
+            tc.function.arguments_json = json.dumps(dict(args), ensure_ascii=False)
+    extra = {k: v for k, v in m.items() if k not in _validate.TYPED_MESSAGE_KEYS}
     if extra:
-        try:
-            msg.extra_json = json.dumps(extra, ensure_ascii=False)
-        except (TypeError, ValueError) as exc:
-            raise _bad(f"{where}", f"extra keys are not JSON-serialisable: {exc}") from exc
+        msg.extra_json = json.dumps(extra, ensure_ascii=False)
     return msg
+
+
+def _chat(messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Mapping[str, Any]] | None,
+          add_generation_prompt: bool, continue_final_message: bool,
+          chat_template_kwargs: Mapping[str, Any] | None) -> pb.ChatInput:
+    chat = pb.ChatInput(messages=[_message(m) for m in messages], add_generation_prompt=add_generation_prompt,
+                        continue_final_message=continue_final_message)
+    if tools:
+        chat.tools_json = json.dumps(list(tools), ensure_ascii=False)
+    if chat_template_kwargs:
+        chat.chat_template_kwargs_json = json.dumps(dict(chat_template_kwargs), ensure_ascii=False)
+    return chat
 
 
 def build_chat(messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Mapping[str, Any]] | None,
                add_generation_prompt: bool, continue_final_message: bool,
                chat_template_kwargs: Mapping[str, Any] | None) -> pb.ChatInput:
-    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
-        raise _bad("chat.messages", "expected a non-empty list of messages")
-    chat = pb.ChatInput(
-        messages=[_message(m, i) for i, m in enumerate(messages)],
-        add_generation_prompt=add_generation_prompt,
-        continue_final_message=continue_final_message,
-    )
-    try:
-        if tools:
-            chat.tools_json = json.dumps(list(tools), ensure_ascii=False)
-        if chat_template_kwargs:
-            chat.chat_template_kwargs_json = json.dumps(dict(chat_template_kwargs), ensure_ascii=False)
-    except (TypeError, ValueError) as exc:
-        raise _bad("chat.tools", f"not JSON-serialisable: {exc}") from exc
-    return chat
+    """The ChatInput of ``render``'s chat arguments; InvalidArgumentError names a malformed one."""
+    _validate.chat(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                   continue_final_message=continue_final_message, chat_template_kwargs=chat_template_kwargs)
+    return _chat(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                 continue_final_message=continue_final_message, chat_template_kwargs=chat_template_kwargs)
+
+
+def build_render(model: str, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Mapping[str, Any]] | None,
+                 add_generation_prompt: bool, continue_final_message: bool,
+                 chat_template_kwargs: Mapping[str, Any] | None) -> pb.RenderRequest:
+    """``render``'s request; InvalidArgumentError names a malformed argument (``model`` too)."""
+    _validate.model_name(model)
+    return pb.RenderRequest(model=model, chat=build_chat(
+        messages, tools=tools, add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message, chat_template_kwargs=chat_template_kwargs))
+
+
+def check_tokenize(model: str, *, text: str | None, messages: Sequence[Mapping[str, Any]] | None,
+                   tools: Sequence[Mapping[str, Any]] | None, add_generation_prompt: bool,
+                   continue_final_message: bool, chat_template_kwargs: Mapping[str, Any] | None,
+                   add_special_tokens: bool | None, cache_salt: str | None, mode: str | None,
+                   return_prompt_text: bool) -> None:
+    """``tokenize``'s arguments (all but ``timeout``) checked without building a request, for a
+    path that sends none (in-process); :func:`build_tokenize` checks the same."""
+    _validate.tokenize(model, text=text, messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                       continue_final_message=continue_final_message, chat_template_kwargs=chat_template_kwargs,
+                       add_special_tokens=add_special_tokens, cache_salt=cache_salt, mode=mode,
+                       return_prompt_text=return_prompt_text)
+
+
+def check_timeout(timeout: float | None) -> None:
+    """InvalidArgumentError unless ``timeout`` is None or a finite number of seconds >= 0."""
+    _validate.timeout(timeout)
 
 
 def build_tokenize(model: str, *, text: str | None, messages: Sequence[Mapping[str, Any]] | None,
@@ -136,29 +135,25 @@ def build_tokenize(model: str, *, text: str | None, messages: Sequence[Mapping[s
                    continue_final_message: bool, chat_template_kwargs: Mapping[str, Any] | None,
                    add_special_tokens: bool | None, cache_salt: str | None, mode: str | None,
                    return_prompt_text: bool, into: pb.TokenizeRequest | None = None) -> pb.TokenizeRequest:
-    """The request message, validated; filled into ``into`` (an empty message) when given."""
-    if not isinstance(model, str) or not model:
-        raise _bad("model", "is required")
-    if (text is None) == (messages is None):
-        raise _bad("input", "give exactly one of text or messages")
-    if mode not in _MODES:
-        raise _bad("mode", f"expected 'kv-stable' or 'exact', got {mode!r}")
+    """The request message, validated first; filled into ``into`` (an empty message) when given."""
+    _validate.tokenize(model, text=text, messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                       continue_final_message=continue_final_message, chat_template_kwargs=chat_template_kwargs,
+                       add_special_tokens=add_special_tokens, cache_salt=cache_salt, mode=mode,
+                       return_prompt_text=return_prompt_text)
     req = pb.TokenizeRequest() if into is None else into
     req.model = model
     req.cache_salt = cache_salt or ""
     req.mode = _MODES[mode]
     req.return_prompt_text = return_prompt_text
     if text is not None:
-        if not isinstance(text, str):
-            raise _bad("text", f"expected str, got {type(text).__name__}")
         req.text = text
     else:
         assert messages is not None
-        req.chat.CopyFrom(build_chat(messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                     continue_final_message=continue_final_message,
-                                     chat_template_kwargs=chat_template_kwargs))
+        req.chat.CopyFrom(_chat(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                continue_final_message=continue_final_message,
+                                chat_template_kwargs=chat_template_kwargs))
     if add_special_tokens is not None:
-        req.add_special_tokens = bool(add_special_tokens)
+        req.add_special_tokens = add_special_tokens
     return req
 
 
@@ -206,48 +201,54 @@ def read_tokenize(resp: pb.TokenizeResponse, want_text: bool,
 def read_models(resp: pb.ListModelsResponse) -> list[ModelInfo]:
     return [ModelInfo(name=m.name, fingerprint=m.fingerprint, backend=m.backend, vocab_size=m.vocab_size,
                       boundary_tokens=m.boundary_tokens, l1_disabled_reason=m.l1_disabled_reason,
-                      has_chat_template=m.has_chat_template) for m in resp.models]
+                      has_chat_template=m.has_chat_template, shm_name=m.shm_name, model_dir=m.model_dir,
+                      default_mode=m.default_mode)
+            for m in resp.models]
 
 
 def pack_ids(ids: Sequence[int], field: str) -> bytes:
-    """ids → little-endian uint32 bytes; InvalidArgumentError names the field if one is out of range."""
-    try:
-        return _pack_ids(ids)
-    except (OverflowError, TypeError) as exc:
-        raise _bad(field, f"ids must be integers in [0, 2**32): {exc}") from exc
+    """ids → little-endian uint32 bytes; InvalidArgumentError names ``field`` (or ``field[i]``) if one
+    is not an int in [0, 2**32)."""
+    return _validate.token_ids(ids, field)
 
 
 def build_record(model: str, *, prompt_text: str, prompt_token_ids: Sequence[int], output_text: str,
                  output_token_ids: Sequence[int], finish_reason: str | None, stop_reason: int | str | None,
-                 cache_salt: str | None, prompt_add_special_tokens: bool) -> pb.RecordOutputRequest:
-    if not isinstance(model, str) or not model:
-        raise _bad("model", "is required")
-    for name, value in (("prompt_text", prompt_text), ("output_text", output_text)):
-        if not isinstance(value, str):
-            raise _bad(name, f"expected str, got {type(value).__name__}")
+                 cache_salt: str | None, prompt_add_special_tokens: bool, where: str = "") -> pb.RecordOutputRequest:
+    """``record_output``'s request, validated first; ``where`` prefixes the fields errors name
+    (``"records[3]."`` for an item of ``record_outputs``)."""
+    prompt_ids, output_ids = _validate.record(
+        model, prompt_text=prompt_text, prompt_token_ids=prompt_token_ids, output_text=output_text,
+        output_token_ids=output_token_ids, finish_reason=finish_reason, stop_reason=stop_reason,
+        cache_salt=cache_salt, prompt_add_special_tokens=prompt_add_special_tokens, where=where)
     req = pb.RecordOutputRequest(
-        model=model, cache_salt=cache_salt or "", prompt_text=prompt_text,
-        prompt_token_ids=pack_ids(prompt_token_ids, "prompt_token_ids"), output_text=output_text,
-        output_token_ids=pack_ids(output_token_ids, "output_token_ids"), finish_reason=finish_reason or "",
+        model=model, cache_salt=cache_salt or "", prompt_text=prompt_text, prompt_token_ids=prompt_ids,
+        output_text=output_text, output_token_ids=output_ids, finish_reason=finish_reason or "",
         prompt_add_special_tokens=prompt_add_special_tokens)
-    if isinstance(stop_reason, bool):
-        raise _bad("stop_reason", "expected a token id, a stop string or None")
-    if isinstance(stop_reason, int):
-        if not 0 <= stop_reason < 2**32:
-            raise _bad("stop_reason", "token id out of range")
-        req.stop_token_id = stop_reason
-    elif isinstance(stop_reason, str):
+    if isinstance(stop_reason, str):
         req.stop_string = stop_reason
     elif stop_reason is not None:
-        raise _bad("stop_reason", "expected a token id, a stop string or None")
+        req.stop_token_id = int(stop_reason)
     return req
 
 
+def build_records(model: str, records: Iterable[Mapping[str, Any]]) -> list[pb.RecordOutputRequest]:
+    """``record_outputs``' requests, one per item; errors name ``records[i].<key>``."""
+    _validate.model_name(model)
+    return [build_record(model, **_validate.record_item(r, f"records[{i}]"), where=f"records[{i}].")
+            for i, r in enumerate(_validate.records(records))]
+
+
 def record_kwargs(record: Mapping[str, Any]) -> dict[str, Any]:
-    """Defaults for the optional keys of a record mapping (record_outputs)."""
-    out = {"finish_reason": "stop", "stop_reason": None, "cache_salt": None, "prompt_add_special_tokens": False}
-    out.update(record)
-    return out
+    """An item of ``record_outputs`` as :func:`build_record`'s keyword arguments, defaults filled.
+
+    Its index is not known here, so a malformed item is reported as ``records``
+    (:func:`build_records` names ``records[i].<key>``).
+    """
+    try:
+        return _validate.record_item(record, "records[?]")
+    except InvalidArgumentError as exc:
+        raise InvalidArgumentError(f"records: {exc.details}", field="records") from None
 
 
 class TokenizePlan:

@@ -31,18 +31,37 @@ MIN_TEXT_BASE = 1024  # characters: below this a request delta saves less than a
 _HEAD = 256
 
 
+def _message_head(m: object) -> tuple[str | None, str] | None:
+    if not isinstance(m, dict):
+        return None
+    role, content = dict.get(m, "role"), dict.get(m, "content")
+    if isinstance(content, list) and content and isinstance(content[0], dict):
+        content = dict.get(content[0], "text")
+    return (role if isinstance(role, str) else None,
+            content[:_HEAD] if isinstance(content, str) else type(content).__name__)
+
+
 def group_of(model: str, text: str | None, messages: Sequence[Mapping[str, Any]] | None, salt: str | None,
              mode: str | None, add_special_tokens: bool | None) -> int | None:
-    """The conversation a request probably belongs to, or None to skip deltas."""
-    if text is not None:
+    """The conversation a request probably belongs to, or None to skip deltas.
+
+    Total: it runs before the arguments are validated, so it reads only values of
+    the builtin types it expects and gives None for anything else (validation then
+    says what is wrong); it never raises.
+    """
+    if not isinstance(model, str) or not (salt is None or isinstance(salt, str)) \
+            or not (mode is None or isinstance(mode, str)) \
+            or not (add_special_tokens is None or isinstance(add_special_tokens, bool)):
+        return None
+    if isinstance(text, str):
         head: Any = text[:_HEAD]
-    elif messages:
-        first = messages[0]
-        if not isinstance(first, Mapping):
+    elif text is not None:
+        return None
+    elif isinstance(messages, (list, tuple)) and messages:
+        first = _message_head(messages[0])
+        if first is None:
             return None
-        content = first.get("content")
-        head = (first.get("role"), content[:_HEAD] if isinstance(content, str) else repr(content)[:_HEAD],
-                len(messages) > 1 and repr(messages[1])[:_HEAD])
+        head = (first, len(messages) > 1 and _message_head(messages[1]))
     else:
         return None
     return hash((model, salt or "", mode, add_special_tokens, head))

@@ -11,9 +11,18 @@
     ├── UnknownResultError                   FAILED_PRECONDITION (a text_base the sidecar no longer
     │                                        holds; the clients resend the whole text themselves)
     └── SidecarInternalError                 INTERNAL and anything else
+
+``InvalidArgumentError.field`` is the path of the caller's own argument
+(``messages[2].tool_calls[0].function``, ``records[1].stop_reason``), whether the
+client refused the argument before sending or the sidecar refused it: the
+sidecar's message starts with that path, and the proto names an older sidecar
+uses (``chat.messages[0].role``, ``chat.tools_json``, ``stop_string``) are
+renamed to the parameters they stand for.
 """
 
 from __future__ import annotations
+
+import re
 
 import grpc
 
@@ -27,6 +36,7 @@ __all__ = [
     "UnknownModelError",
     "UnknownResultError",
     "from_status",
+    "parameter_path",
     "translate",
 ]
 
@@ -52,13 +62,42 @@ class UnknownModelError(TokcacheError):
     """The sidecar does not serve the requested model."""
 
 
+# A field path leading a sidecar message: name, then .name, [index] or ['key'] steps.
+_FIELD_PATH = re.compile(r"""[A-Za-z_]\w*(?:\.\w+|\[(?:\d+|'(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*")\])*""")
+# Proto field paths and the parameter each stands for (longest first).
+_PROTO_PREFIXES = (("chat.chat_template_kwargs_json", "chat_template_kwargs"), ("chat.tools_json", "tools"),
+                   ("chat.messages", "messages"), ("chat", "messages"), ("stop_string", "stop_reason"),
+                   ("stop_token_id", "stop_reason"))
+
+
+def parameter_path(field: str) -> str:
+    """A field as the caller named it: proto paths (``chat.messages[0].extra_json``) renamed."""
+    for proto, param in _PROTO_PREFIXES:
+        if field == proto or field.startswith((proto + ".", proto + "[")):
+            field = param + field[len(proto):]
+            break
+    if field.startswith("messages["):
+        if field.endswith(".extra_json"):  # the message's extra keys: the message itself
+            field = field[: -len(".extra_json")]
+        elif field.endswith(".function.arguments_json"):
+            field = field[: -len("_json")]
+    return field
+
+
 class InvalidArgumentError(TokcacheError):
-    """The request is malformed; ``field`` names the part when known."""
+    """The request is malformed; ``field`` names the caller's argument (a path) when known.
+
+    Without ``field``, the details of a sidecar status give it: ``"messages[0].role: is
+    required"``; a proto path there is renamed (:func:`parameter_path`), in ``details`` too.
+    """
 
     def __init__(self, details: str, code: grpc.StatusCode | None = None, field: str | None = None) -> None:
+        if field is None:
+            head, sep, rest = details.partition(": ")
+            if sep and _FIELD_PATH.fullmatch(head):
+                field = parameter_path(head)
+                details = f"{field}: {rest}"
         super().__init__(details, code)
-        if field is None and ": " in details:
-            field = details.split(": ", 1)[0]
         self.field = field
 
 

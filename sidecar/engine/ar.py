@@ -53,8 +53,10 @@ def verify_output(*, output_text: str, output_ids: list[int], finish_reason: str
                   special_ids: frozenset[int], decode: Callable[[list[int]], str]) -> VerifiedOutput:
     """Check an output as described in the module docstring; InvalidRequest names the reason."""
     if stop_string is not None:
-        raise InvalidRequest("stop_string", "a finish by stop string is not recorded: "
-                                            "the ids run past the text")
+        # Named as the client's parameter (record_output(stop_reason="...")); the
+        # proto field is stop_string.
+        raise InvalidRequest("stop_reason", "a finish by a stop string is not recorded: "
+                                            "vLLM cuts the text at the string but not the ids")
     if not output_ids:
         raise InvalidRequest("output_token_ids", "empty")
     bad = next((i for i in output_ids if i >= vocab_size), None)

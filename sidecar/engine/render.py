@@ -271,6 +271,44 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
+class _Lookup(str):
+    """An error message that also remembers the failed lookup: ``obj[name]`` / ``obj.name``.
+
+    It is the message itself (``exc.args[0]``), so the error reads exactly as
+    upstream's; :meth:`ChatRenderer.render` uses the lookup to name the input
+    field the template wanted (``messages[0].content``).
+    """
+
+    obj: Any
+    name: Any
+
+    def __new__(cls, text: str, obj: Any, name: Any) -> _Lookup:
+        self = super().__new__(cls, text)
+        self.obj, self.name = obj, name
+        return self
+
+
+# Named `Undefined` as upstream's class: the name shows in template errors
+# ("unsupported operand type(s) for +: 'NoneType' and 'Undefined'"), which must
+# read as transformers' do.
+class Undefined(jinja2.Undefined):
+    """jinja's default Undefined whose error message remembers where the lookup failed."""
+
+    __slots__ = ()
+
+    @property
+    def _undefined_message(self) -> str:
+        return _Lookup(super()._undefined_message, self._undefined_obj, self._undefined_name)
+
+
+def _json_default(value: Any) -> Any:
+    # json's own TypeError, word for word; for an undefined value it remembers the lookup.
+    message = f"Object of type {type(value).__name__} is not JSON serializable"
+    if isinstance(value, jinja2.Undefined):
+        message = _Lookup(message, value._undefined_obj, value._undefined_name)
+    raise TypeError(message)
+
+
 def _tojson(
     x: Any,
     ensure_ascii: bool = False,
@@ -280,7 +318,8 @@ def _tojson(
 ) -> str:
     # jinja's own tojson HTML-escapes <, >, &, ' — templates expect raw JSON.
     return json.dumps(
-        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys,
+        default=_json_default,
     )
 
 
@@ -329,6 +368,7 @@ def _new_environment() -> ImmutableSandboxedEnvironment:
         trim_blocks=True,
         lstrip_blocks=True,
         extensions=[_GenerationTag, jinja2.ext.loopcontrols],
+        undefined=Undefined,
     )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
@@ -572,9 +612,11 @@ class ChatRenderer:
         ``messages[2].content[1].type``, ``chat_template_kwargs.tokenize``…) and
         for option conflicts transformers refuses (``continue_final_message``
         with ``add_generation_prompt``, a final message without content or whose
-        content the template drops); TemplateError (field ``messages``) carrying
-        the template's ``raise_exception`` text or the jinja error when the
-        template fails, with field ``chat_template`` if it does not compile.
+        content the template drops); TemplateError carrying the template's
+        ``raise_exception`` text or the jinja error when the template fails —
+        field ``messages``, or the input the template looked up in vain
+        (``messages[0].content`` for a null content, ``messages[1].tool_calls[0]
+        .function.arguments``) — with field ``chat_template`` if it does not compile.
         Thread-safe; inputs are never modified.
         """
         kwargs = self._template_kwargs(chat_template_kwargs)
@@ -621,10 +663,12 @@ class ChatRenderer:
             )
         except jinja2.TemplateError as exc:
             # raise_exception's text, or jinja's (undefined, sandbox…) verbatim.
-            raise TemplateError(exc.message or str(exc)) from exc
+            field = _lookup_field(exc, chat, tool_schemas, documents, context, kwargs)
+            raise TemplateError(str(exc.message or exc), field) from exc
         except Exception as exc:
             # TypeError from `none + 'x'` and the like: the template failed on this input.
-            raise TemplateError(f"{type(exc).__name__}: {exc}") from exc
+            field = _lookup_field(exc, chat, tool_schemas, documents, context, kwargs)
+            raise TemplateError(f"{type(exc).__name__}: {exc}", field) from exc
 
         if final_text is not None:
             rendered = _cut_at_continue_tag(rendered, final_text, len(chat) - 1)
@@ -646,6 +690,46 @@ class ChatRenderer:
                 )
             kwargs[key] = value
         return kwargs
+
+
+def _step(path: str, key: Any) -> str:
+    if isinstance(key, str):
+        return f"{path}.{key}" if key.isidentifier() else f"{path}[{key!r}]"
+    return f"{path}[{key!r}]"
+
+
+def _lookup_field(
+    exc: BaseException,
+    chat: list[dict[str, Any]],
+    tools: list[Any] | None,
+    documents: list[Any] | None,
+    context: dict[str, Any],
+    kwargs: Mapping[str, Any],
+) -> str:
+    """The input field a failed render looked up, as the caller names it, else ``messages``.
+
+    A template that reads ``message.content`` where the message has none (a null
+    content is dropped first, as upstream does) fails with "'dict object' has no
+    attribute 'content'", naming no message. The error's :class:`_Lookup` holds
+    the dict; it is found by identity among the render's inputs (fresh copies
+    made by ``_plain``, so no two paths share a container) and the path returned:
+    ``messages[3].content``, ``messages[1].tool_calls[0].function.arguments``.
+    """
+    lookup = exc.args[0] if exc.args else None
+    if not isinstance(lookup, _Lookup) or not isinstance(lookup.obj, (dict, list)):
+        return "messages"
+    roots: list[tuple[str, Any]] = [("messages", chat), ("tools", tools)]
+    roots += [(_step("chat_template_kwargs", key), context.get(key)) for key in kwargs if key != "documents"]
+    roots.append(("chat_template_kwargs.documents", documents))
+    while roots:
+        path, value = roots.pop()
+        if value is lookup.obj:
+            return _step(path, lookup.name)
+        if isinstance(value, dict):
+            roots += [(_step(path, key), item) for key, item in value.items()]
+        elif isinstance(value, (list, tuple)):
+            roots += [(f"{path}[{j}]", item) for j, item in enumerate(value)]
+    return "messages"
 
 
 def _cut_at_continue_tag(rendered: str, final_text: str, index: int) -> str:
