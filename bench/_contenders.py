@@ -306,23 +306,35 @@ class SmgFloor(Contender):
 
 
 class TokcacheContender(Contender):
-    """The tokcache sidecar as a subprocess, called with ``SidecarClient`` over a unix socket."""
+    """A tokcache sidecar as a subprocess (its own segment) and a ``SidecarClient`` for it.
 
-    name = "tokcache"
-    label = "tokcache sidecar (gRPC TokenizeStream, unix socket)"
+    ``zero_rpc`` (the client's default): text is tokenized in the benchmark's process from
+    the sidecar's shared memory, and what it learned is written back by the client's
+    background writer. Without it every call is a gRPC round trip over the unix socket;
+    ``stream``, ``reply_deltas`` and ``request_deltas`` switch the RPC path's speed devices.
+    """
 
     def __init__(self, tokenizer_dir: Path, log_dir: Path, add_special_tokens: bool, shm_size: str = "256MiB",
-                 stream: bool = True) -> None:
+                 stream: bool = True, zero_rpc: bool = True, reply_deltas: bool = True,
+                 request_deltas: bool = True, name: str = "") -> None:
         self._stream = stream
-        if not stream:
-            self.label = "tokcache sidecar (gRPC unary Tokenize, unix socket)"
+        self._zero_rpc = zero_rpc
+        self._deltas = (reply_deltas, request_deltas)
+        if zero_rpc:
+            self.name, self.label = name or "tokcache", "tokcache (default client: reads in this process)"
+        else:
+            devices = ["TokenizeStream" if stream else "unary Tokenize"]
+            devices += [] if reply_deltas else ["no reply deltas"]
+            devices += [] if request_deltas else ["no text_base"]
+            self.name = name or "tokcache-rpc"
+            self.label = f"tokcache RPC ({', '.join(devices)}, unix socket)"
         self._dir = tokenizer_dir
         self._add = add_special_tokens
         self._shm_size = shm_size
         tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.shm_prefix = f"tkbench{tag}"
         self.socket_path = Path(f"/tmp/tokcache-bench-{tag}.sock")
-        self._log = log_dir / "tokcache-sidecar.log"
+        self._log = log_dir / f"{self.name}-sidecar.log"
         self._proc: subprocess.Popen[bytes] | None = None
         self._client: Any = None
         self._info: dict[str, Any] = {}
@@ -376,7 +388,8 @@ class TokcacheContender(Contender):
             raise ContenderUnavailable(
                 f"sidecar socket not accepting after {READY_TIMEOUT_S:.0f}s:\n{_tail(self._log)}"
             )
-        self._client = SidecarClient(self.target, stream=self._stream)
+        self._client = SidecarClient(self.target, stream=self._stream, zero_rpc=self._zero_rpc,
+                                     reply_deltas=self._deltas[0], request_deltas=self._deltas[1])
         self._client.__enter__()
         # The socket can accept before the model is loaded: ready = a tokenize answers.
         last: Exception | None = None
@@ -400,8 +413,17 @@ class TokcacheContender(Contender):
             "source": r.decision.source,
             "cached_tokens": r.decision.cached_tokens,
             "encoded_chars": r.decision.encoded_chars,
+            "served_by": r.served_by,
         }
         return ids
+
+    def settle(self) -> None:
+        """Wait for the client's write-behind (between timed calls, not inside one)."""
+        if self._client is not None:
+            self._client.flush(5.0)
+
+    def client_stats(self) -> dict[str, Any]:
+        return dict(self._client.stats()) if self._client is not None else {}
 
     def last_info(self) -> dict[str, Any]:
         return self._info
@@ -488,12 +510,12 @@ def _find_used_bytes(data: Any) -> int | None:
 
 
 class TokcacheFloor(Contender):
-    """A 1-token Tokenize on the same client (so over the same stream): tokcache's transport
+    """A 1-token Tokenize on the same RPC client (so over the same stream): tokcache's transport
     floor, the counterpart of SMG's 1-token ``/v1/tokenize``. Its text is an L0 hit after
     the first call, so the sidecar's own work in it is a few microseconds."""
 
-    name = "tokcache-floor"
-    label = "tokcache floor (1-token Tokenize, same client)"
+    name = "tokcache-rpc-floor"
+    label = "tokcache RPC floor (1-token Tokenize, same client)"
     checked = False
 
     def __init__(self, tokcache: TokcacheContender) -> None:

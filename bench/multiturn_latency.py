@@ -8,9 +8,20 @@ text at the last turn) and, turn by turn, has every contender tokenize the same 
 - ``fastokens``       in-process ``fastokens`` (no cache)
 - ``fastokens+seg``   in-process ``fastokens`` with its segment cache
 - ``smg``             SMG 1.13's ``/v1/tokenize`` with its L0+L1 cache, HTTP keep-alive
-- ``tokcache``        the tokcache sidecar over gRPC on a unix socket (``SidecarClient``: its
-                      ``TokenizeStream``; ``--unary`` for the unary ``Tokenize`` RPC)
+- ``tokcache``        tokcache's default client (``SidecarClient``): reads the sidecar's shared
+                      memory in this process, no RPC; what a read learned is stored by the
+                      client's background writer after the call (outside the timed call; the
+                      time it took is recorded as ``write_us``)
+- ``tokcache-rpc``    the same over gRPC on a unix socket (``zero_rpc=False``: its
+                      ``TokenizeStream`` with reply and request deltas); ``--rpc-devices`` adds
+                      one contender per RPC speed device switched off (``tokcache-rpc-unary``,
+                      ``tokcache-rpc-no-reply-deltas``, ``tokcache-rpc-no-text-base``)
 - ``*-floor``         a trivial request to each server: what the transport alone costs
+
+Every tokcache contender has its own sidecar and segment: one's entries never serve another.
+
+``--long``: one 100-turn conversation growing to ~800 KB (~270k tokens); the summary is over
+its last 10 turns. Otherwise the summary is over turns >= 2.
 
 The contender order rotates every turn so none is always first or last. Every contender's ids
 are compared with ``tokenizers.Tokenizer.from_file(tokenizer.json).encode(text).ids``; a
@@ -130,13 +141,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--no-smg", action="store_true", help="skip SMG")
     ap.add_argument("--no-tokcache", action="store_true", help="skip the tokcache sidecar (harness debugging)")
     ap.add_argument("--unary", action="store_true",
-                    help="tokcache over the unary Tokenize RPC instead of the client's default TokenizeStream")
+                    help="tokcache-rpc over the unary Tokenize RPC instead of the client's TokenizeStream")
+    ap.add_argument("--rpc-devices", action="store_true",
+                    help="also run tokcache-rpc with each speed device off (stream, reply deltas, text_base)")
+    ap.add_argument("--no-rpc", action="store_true", help="skip the tokcache RPC contenders")
+    ap.add_argument("--long", action="store_true",
+                    help="1 conversation of 100 turns to ~800 KB; summary over the last 10 turns")
     ap.add_argument("--out-dir", type=Path, default=HERE / "out")
     args = ap.parse_args(argv)
+    if args.long:
+        args.conversations, args.turns, args.target_bytes = 1, 100, 800_000
     if args.quick:
         args.conversations, args.turns_used = 1, min(10, args.turns)
     else:
         args.turns_used = args.turns
+    args.summary_from = max(2, args.turns_used - 9) if args.long else 2
     if args.conversations < 1 or args.turns < 1:
         ap.error("--conversations and --turns must be >= 1")
     return args
@@ -157,8 +176,20 @@ def build_contenders(
         smg = SmgContender(tok_dir, args.out_dir)
         entries += [Entry(smg), Entry(SmgFloor(smg))]
     if not args.no_tokcache:
-        tc = TokcacheContender(tok_dir, args.out_dir, add, stream=not args.unary)
-        entries += [Entry(tc), Entry(TokcacheFloor(tc))]
+        tc = TokcacheContender(tok_dir, args.out_dir, add)
+        entries.append(Entry(tc))
+        if not args.no_rpc:
+            rpc = TokcacheContender(tok_dir, args.out_dir, add, zero_rpc=False, stream=not args.unary)
+            entries += [Entry(rpc), Entry(TokcacheFloor(rpc))]
+            if args.rpc_devices:
+                entries += [
+                    Entry(TokcacheContender(tok_dir, args.out_dir, add, zero_rpc=False, stream=False,
+                                            name="tokcache-rpc-unary")),
+                    Entry(TokcacheContender(tok_dir, args.out_dir, add, zero_rpc=False, reply_deltas=False,
+                                            name="tokcache-rpc-no-reply-deltas")),
+                    Entry(TokcacheContender(tok_dir, args.out_dir, add, zero_rpc=False, request_deltas=False,
+                                            name="tokcache-rpc-no-text-base")),
+                ]
     return entries, tc, smg
 
 
@@ -278,7 +309,13 @@ def run(args: argparse.Namespace) -> int:
                         continue
                     finally:
                         gc.enable()
-                    e.samples.append(Sample(ci, turn, ns, pos, dict(c.last_info())))
+                    info = dict(c.last_info())
+                    settle = getattr(c, "settle", None)
+                    if settle is not None:  # the write-behind, timed apart (after the reply)
+                        w0 = time.perf_counter_ns()
+                        settle()
+                        info["write_us"] = round((time.perf_counter_ns() - w0) / 1000, 1)
+                    e.samples.append(Sample(ci, turn, ns, pos, info))
                     if c.checked:
                         e.checked_calls += 1
                         want = smg_refs[ti] if c is smg else refs[ti]
@@ -401,6 +438,8 @@ def summarise(
             "quick": args.quick,
             "order": "rotating: turn step s runs contenders[s % n:] + contenders[:s % n]",
             "latency": "client-observed, from the call until a list[int] is held; one call per contender per turn",
+            "summary_turns": f">= {args.summary_from}",
+            "long": args.long,
         },
         "environment": {
             "python": platform.python_version(),
@@ -442,7 +481,7 @@ def summarise(
     }
     for e in entries:
         c = e.contender
-        late = [s.ns / 1000 for s in e.samples if s.turn >= 2]
+        late = [s.ns / 1000 for s in e.samples if s.turn >= args.summary_from]
         per_turn = []
         for t in range(1, turns + 1):
             vals = [s.ns / 1000 for s in e.samples if s.turn == t]
@@ -477,19 +516,21 @@ def summarise(
                 pass
     summ = {k: v["summary_turns_ge2"] for k, v in res["contenders"].items() if v["summary_turns_ge2"]["n"]}
     ratios: dict[str, dict[str, float]] = {}
-    for num in ("tokcache", "smg"):
+    nums = ("tokcache", "tokcache-rpc", "tokcache-rpc-unary", "tokcache-rpc-no-reply-deltas",
+            "tokcache-rpc-no-text-base", "smg")
+    for num in nums:
         if num not in summ:
             continue
-        for den in ("smg", "fastokens", "fastokens+seg", "tokenizers", "tokcache"):
+        for den in ("smg", "fastokens", "fastokens+seg", "tokenizers", "tokcache", "tokcache-rpc"):
             if den != num and den in summ:
                 ratios[f"{num}/{den}"] = {q: summ[num][q] / summ[den][q] for q in ("p50_us", "p90_us")}
-    for srv in ("tokcache", "smg"):
+    for srv in ("tokcache-rpc", "smg"):
         if srv in summ and f"{srv}-floor" in summ:
             ratios[f"{srv}-floor/{srv}"] = {q: summ[f"{srv}-floor"][q] / summ[srv][q] for q in ("p50_us", "p90_us")}
     res["ratios"] = ratios
 
     if tc is not None and "tokcache" in res["contenders"]:
-        late = [s for s in res["contenders"]["tokcache"]["samples"] if s["turn"] >= 2]
+        late = [s for s in res["contenders"]["tokcache"]["samples"] if s["turn"] >= args.summary_from]
         srcs = Counter(_source_name(s.get("source")) for s in late)
         hits = srcs.get("l1", 0) + srcs.get("l0", 0)
         enc = [
@@ -582,8 +623,9 @@ def print_report(r: dict[str, Any]) -> None:
         print(
             f"{key:<8}{sum(kb) / max(1, len(kb)):>7.1f}" + "".join(f"{_us(cs[n]['buckets'][key]):>{w}}" for n in names)
         )
-    print("\nsummary, turns >= 2:")
-    print(f"{'contender':<16}{'p50':>11}{'p90':>11}{'mean':>11}{'n':>5}  ids")
+    print(f"\nsummary, turns {cfg.get('summary_turns', '>= 2')}:")
+    wn = max(16, *(len(n) + 2 for n in names))
+    print(f"{'contender':<{wn}}{'p50':>11}{'p90':>11}{'mean':>11}{'n':>5}  ids")
     for n in names:
         s = cs[n]["summary_turns_ge2"]
         ids = (
@@ -591,11 +633,11 @@ def print_report(r: dict[str, Any]) -> None:
             if cs[n]["ids_checked"]
             else "(floor: not checked)"
         )
-        print(f"{n:<16}{_us(s['p50_us']):>11}{_us(s['p90_us']):>11}{_us(s['mean_us']):>11}{s['n']:>5}  {ids}")
+        print(f"{n:<{wn}}{_us(s['p50_us']):>11}{_us(s['p90_us']):>11}{_us(s['mean_us']):>11}{s['n']:>5}  {ids}")
     if r["ratios"]:
         print("\nratios (p50, p90; < 1 means the first is faster):")
         for k, v in r["ratios"].items():
-            print(f"  {k:<28}{v['p50_us']:>7.3f}{v['p90_us']:>8.3f}")
+            print(f"  {k:<44}{v['p50_us']:>7.3f}{v['p90_us']:>8.3f}")
     if "tokcache" in r:
         t = r["tokcache"]
         share = t["l1_hit_share_turns_ge2"]
@@ -606,6 +648,11 @@ def print_report(r: dict[str, Any]) -> None:
             f"  sources: {t['sources_turns_ge2']}; mean share of chars encoded: "
             + (f"{t['encoded_char_share_turns_ge2']:.1%}" if t["encoded_char_share_turns_ge2"] is not None else "—")
         )
+        writes = [s["write_us"] for s in cs["tokcache"]["samples"] if s.get("write_us") is not None]
+        served = Counter(s.get("served_by") for s in cs["tokcache"]["samples"])
+        if writes:
+            print(f"  served by: {dict(served)}; write-behind after each call (not in the latency): "
+                  f"p50 {_us(percentile(writes, 50))}, p90 {_us(percentile(writes, 90))}")
         for d in t["shm_per_conversation"]:
             used, res_ = d.get("used_bytes"), d.get("resident_bytes")
             print(

@@ -38,7 +38,7 @@ from tokcache.sidecar.engine.model import Limits, ModelEngine, fingerprint_of
 from tokcache.sidecar.pressure import PressureMonitor, PressurePolicy
 from tokcache.sidecar.service import TokenizerService
 from tokcache.sidecar.telemetry import Metrics, Tracing
-from tokcache.store import Kind, Store, StoreError, id_bytes_for
+from tokcache.store import Kind, Store, StoreError, id_bytes_for, segment_name, usable_size
 from tokcache.v1 import tokenizer_pb2 as pb
 from tokcache.v1 import tokenizer_pb2_grpc as pb_grpc
 
@@ -352,13 +352,27 @@ class Sidecar:
             engine = ModelEngine(spec.name, spec.path, store=None, limits=limits, backends=cfg.backends)
             store = self.stores.get(fp)
             if store is None:
-                store = Store.open(prefix=cfg.shm_prefix, fingerprint=fp, size=cfg.shm_size, ttl=ttl,
+                # Sized to what /dev/shm can back (a page it cannot would be SIGBUS); SegmentFull
+                # when not even the --shm-size minimum (1 MiB) fits.
+                size, why = usable_size(segment_name(cfg.shm_prefix, fp), cfg.shm_size, minimum=1 << 20)
+                if why:
+                    log.warning("%s %d bytes does not fit: %s; using %d bytes", flag("shm_size"), cfg.shm_size,
+                                why, size)
+                store = Store.open(prefix=cfg.shm_prefix, fingerprint=fp, size=size, ttl=ttl,
                                    id_bytes=id_bytes_for(engine.vocab_size))
                 self.stores[fp] = store
                 log.info("shm segment %s (%d bytes, %d-byte ids): %s", store.name, store.size, store.id_bytes,
                          "re-attached warm" if store.attached_existing else "created")
             engine.store = store
             engines[spec.name] = engine
+        # Publish what readers need (proved encoder, boundaries, affixes), once per segment:
+        # from then on a client that maps it tokenizes in its own process.
+        names: dict[str, list[str]] = {}
+        for name, engine in engines.items():
+            names.setdefault(engine.fingerprint, []).append(name)
+        for engine in engines.values():
+            if engine.fingerprint in names:
+                engine.publish(names.pop(engine.fingerprint), {"l0": cfg.ttl_l0, "l1": cfg.ttl_l1, "ar": cfg.ttl_ar})
         return engines
 
     def _each_model(self) -> Iterator[ModelSpec]:

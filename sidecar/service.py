@@ -432,6 +432,7 @@ class TokenizerService(pb_grpc.TokenizerServicer):  # generated base class, unty
                     name=info["name"], fingerprint=info["fingerprint"], backend=info["backend"],
                     vocab_size=info["vocab_size"], boundary_tokens=info["boundary_tokens"],
                     l1_disabled_reason=info["l1_disabled_reason"], has_chat_template=info["has_chat_template"],
+                    shm_name=info["shm_name"], model_dir=str(engine.path.resolve()), default_mode=self.default_mode,
                 ))
             return pb.ListModelsResponse(models=models)
         finally:

@@ -280,7 +280,7 @@ class TokenizePlan:
                                   cache_salt=cache_salt, mode=mode, return_prompt_text=return_prompt_text,
                                   into=self.sreq.request)
         self.req.known_results.extend(self.known)
-        self.req.keep_result = self.group is not None
+        self.req.keep_result = self.group is not None and (results.reply_deltas or results.request_deltas)
         if self.base:
             self.req.text_base = self.base
 

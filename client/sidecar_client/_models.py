@@ -27,13 +27,18 @@ class CacheDecision:
 
 @dataclass(frozen=True)
 class TokenizeResult:
-    """Token ids and the cache decision of one Tokenize call."""
+    """Token ids and the cache decision of one Tokenize call.
+
+    ``served_by`` is ``"local"`` when the ids were decided in this process (the sidecar's
+    shared memory read directly, no RPC) and ``"sidecar"`` when its Tokenize RPC answered.
+    """
 
     token_ids: list[int]
     fingerprint: str
     decision: CacheDecision
     backend: str = ""
     prompt_text: str | None = None
+    served_by: str = "sidecar"
 
 
 @dataclass(frozen=True)
@@ -47,6 +52,9 @@ class ModelInfo:
     boundary_tokens: int
     l1_disabled_reason: str
     has_chat_template: bool
+    shm_name: str = ""
+    model_dir: str = ""
+    default_mode: str = ""
 
 
 @dataclass(frozen=True)

@@ -70,7 +70,11 @@ def group_of(model: str, text: str | None, messages: Sequence[Mapping[str, Any]]
 class ResultCache:
     """Handle -> ids tuple, newest last, grouped; thread-safe."""
 
-    def __init__(self, max_results: int = MAX_RESULTS, max_ids: int = MAX_IDS) -> None:
+    def __init__(self, max_results: int = MAX_RESULTS, max_ids: int = MAX_IDS, *, reply_deltas: bool = True,
+                 request_deltas: bool = True) -> None:
+        # Each delta can be switched off (the benchmark measures them on and off).
+        self.reply_deltas = reply_deltas
+        self.request_deltas = request_deltas
         self._max_results = max_results
         self._max_ids = max_ids
         self._ids = 0
@@ -81,7 +85,7 @@ class ResultCache:
     def offer(self, group: int | None) -> dict[bytes, tuple[int, ...]]:
         """Up to OFFER results of ``group``, newest first: send their handles, keep the
         mapping to rebuild a delta reply (it stays valid whatever is evicted meanwhile)."""
-        if group is None:
+        if group is None or not self.reply_deltas:
             return {}
         out: dict[bytes, tuple[int, ...]] = {}
         with self._lock:
@@ -96,7 +100,7 @@ class ResultCache:
     def text_base(self, group: int | None, text: str) -> tuple[bytes, int]:
         """(handle, length) of the longest kept text of ``group`` that ``text`` extends
         (at least MIN_TEXT_BASE characters), or (b"", 0)."""
-        if group is None:
+        if group is None or not self.request_deltas:
             return b"", 0
         with self._lock:
             candidates = [(len(t), h, t) for h, (g, _, t) in self._entries.items()

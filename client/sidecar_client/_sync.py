@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 import grpc
 
 from sidecar_client import _core
+from sidecar_client._local import LocalPaths
 from sidecar_client._models import ModelInfo, RecordResult, RecordSummary, TokenizeResult
 from sidecar_client._results import ResultCache
 from sidecar_client._tokenize_stream import SyncTokenizeStream
-from sidecar_client.errors import translate
+from sidecar_client.errors import TokcacheError, translate
 from tokcache.v1 import tokenizer_pb2 as pb
 from tokcache.v1 import tokenizer_pb2_grpc as pb_grpc
 
@@ -26,10 +29,25 @@ class SidecarClient:
     default ``$TOKCACHE_ADDRESS``. ``timeout``: seconds per call (None = no deadline).
     ``stream``: send Tokenize over one long-lived ``TokenizeStream`` when it is free
     (default; about half the per-call cost of the unary RPC), else always unary.
+
+    ``zero_rpc`` (default True): tokenize text in this process from the sidecar's shared
+    memory whenever its segment can be mapped here (same node, same /dev/shm) and a
+    ``tokenizer.json`` with the segment's fingerprint is at hand — from ``tokenizers``
+    (model name -> directory or file) or the directory the sidecar loaded it from. The
+    ids are the ones the sidecar would return (same lookup, same segment); what the read
+    learned is stored after the reply by a background thread. Chat messages, and every
+    request when the segment cannot be used (logged once, counted in :meth:`stats`), go
+    over RPC.
+
+    ``reply_deltas`` / ``request_deltas``: on the RPC path, let the sidecar answer with
+    only the ids past a result this client holds, and send only the text past one
+    (both on by default; switches for measuring them).
     """
 
     def __init__(self, address: str | None = None, *, timeout: float | None = 30.0,
-                 metadata: Sequence[tuple[str, str]] | None = None, stream: bool = True) -> None:
+                 metadata: Sequence[tuple[str, str]] | None = None, stream: bool = True,
+                 zero_rpc: bool = True, tokenizers: Mapping[str, str | Path] | None = None,
+                 reply_deltas: bool = True, request_deltas: bool = True) -> None:
         self.address = address or _core.default_address()
         self.timeout = timeout
         self._metadata = tuple(metadata or ())
@@ -37,7 +55,36 @@ class SidecarClient:
         self._stub = pb_grpc.TokenizerStub(self._channel)
         self._stream = SyncTokenizeStream(self._channel, self._metadata)
         self._stream.enabled = stream
-        self._results = ResultCache()
+        self._results = ResultCache(reply_deltas=reply_deltas, request_deltas=request_deltas)
+        self._local = LocalPaths(dict(tokenizers or {}), learn=self._learn) if zero_rpc else None
+        self._models_at = -float("inf")
+
+    def _learn(self, model: str, text: str, salt: str, mode: str) -> None:
+        """Write-behind without write access: the sidecar tokenizes (and stores) the text."""
+        req = pb.TokenizeRequest(model=model, text=text, cache_salt=salt, add_special_tokens=False,
+                                 mode=pb.TOKENIZE_MODE_EXACT if mode == "exact" else pb.TOKENIZE_MODE_KV_STABLE)
+        self._stub.Tokenize.future(req, timeout=self.timeout, metadata=self._metadata or None)
+
+    def _local_result(self, model: str, text: str, add_special_tokens: bool | None, cache_salt: str | None,
+                      mode: str | None) -> TokenizeResult | None:
+        local = self._local
+        assert local is not None
+        if not local.knows(model) and time.monotonic() - self._models_at > 1.0:
+            self._models_at = time.monotonic()
+            try:
+                local.set_models(self.list_models())
+            except TokcacheError:
+                pass  # the RPC path reports it
+        return local.tokenize(model, text, add_special_tokens=add_special_tokens, cache_salt=cache_salt, mode=mode)
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        """What the in-process path did: ``tokenize`` by source, ``fallbacks`` to RPC by
+        reason, ``writes`` (write-behind) by outcome."""
+        return self._local.stats.snapshot() if self._local is not None else {}
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until what in-process reads learned is stored (False on timeout)."""
+        return self._local.flush(timeout) if self._local is not None else True
 
     def tokenize(self, model: str, *, text: str | None = None,
                  messages: Sequence[Mapping[str, Any]] | None = None,
@@ -50,9 +97,22 @@ class SidecarClient:
         ``add_special_tokens`` defaults to True for text and False for chat (as
         transformers and vLLM). ``mode``: "kv-stable" | "exact" | None (server default).
         Raises a :class:`~sidecar_client.errors.TokcacheError` subclass on failure.
-        Goes over the client's ``TokenizeStream`` when no other thread is using
-        it, else (and as a fallback) over the unary ``Tokenize``.
+        Text is tokenized in this process when ``zero_rpc`` allows (see the class);
+        otherwise, and for chat messages, over the client's ``TokenizeStream`` when no
+        other thread is using it, else over the unary ``Tokenize``.
         """
+        _core.check_timeout(timeout)
+        if self._local is not None and messages is None \
+                and isinstance(text, str) and not return_prompt_text and isinstance(model, str) and model:
+            _core.check_tokenize(model, text=text, messages=None, tools=tools,
+                                 add_generation_prompt=add_generation_prompt,
+                                 continue_final_message=continue_final_message,
+                                 chat_template_kwargs=chat_template_kwargs,
+                                 add_special_tokens=add_special_tokens, cache_salt=cache_salt, mode=mode,
+                                 return_prompt_text=return_prompt_text)
+            local = self._local_result(model, text, add_special_tokens, cache_salt, mode)
+            if local is not None:
+                return local
         plan = _core.TokenizePlan(self._results, model, text=text, messages=messages, tools=tools,
                                   add_generation_prompt=add_generation_prompt,
                                   continue_final_message=continue_final_message,
@@ -71,10 +131,11 @@ class SidecarClient:
                continue_final_message: bool = False, chat_template_kwargs: Mapping[str, Any] | None = None,
                timeout: float | None = None) -> str:
         """The prompt text of ``messages`` (== transformers ``apply_chat_template(tokenize=False)``)."""
-        chat = _core.build_chat(messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                continue_final_message=continue_final_message,
-                                chat_template_kwargs=chat_template_kwargs)
-        resp = self._call(self._stub.Render, pb.RenderRequest(model=model, chat=chat), timeout)
+        _core.check_timeout(timeout)
+        req = _core.build_render(model, messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                  continue_final_message=continue_final_message,
+                                  chat_template_kwargs=chat_template_kwargs)
+        resp = self._call(self._stub.Render, req, timeout)
         return str(resp.prompt_text)
 
     def record_output(self, model: str, *, prompt_text: str, prompt_token_ids: Sequence[int],
@@ -88,6 +149,8 @@ class SidecarClient:
         sidecar verifies the record first; a refusal raises
         :class:`~sidecar_client.errors.InvalidArgumentError` with the reason.
         """
+        _core.check_timeout(timeout)
+        self.flush(self.timeout)  # the record chains to the prompt's entries: store them first
         req = _core.build_record(model, prompt_text=prompt_text, prompt_token_ids=prompt_token_ids,
                                  output_text=output_text, output_token_ids=output_token_ids,
                                  finish_reason=finish_reason, stop_reason=stop_reason, cache_salt=cache_salt,
@@ -102,13 +165,16 @@ class SidecarClient:
 
         Each record is a mapping with the keyword arguments of :meth:`record_output`.
         """
-        reqs = [_core.build_record(model, **_core.record_kwargs(r)) for r in records]
+        _core.check_timeout(timeout)
+        reqs = _core.build_records(model, records)
+        self.flush(self.timeout)  # records chain to their prompts' entries: store them first
         resp = self._call(self._stub.RecordOutputs, iter(reqs), timeout)
         return RecordSummary(recorded=resp.recorded, refused=resp.refused,
                              refusals=[(r.index, r.reason) for r in resp.refusals])
 
     def list_models(self, *, timeout: float | None = None) -> list[ModelInfo]:
         """The models the sidecar serves, with tokenizer fingerprints."""
+        _core.check_timeout(timeout)
         return _core.read_models(self._call(self._stub.ListModels, pb.ListModelsRequest(), timeout))
 
     def _call(self, method: Any, req: Any, timeout: float | None) -> Any:
@@ -119,7 +185,9 @@ class SidecarClient:
             raise translate(exc) from exc
 
     def close(self) -> None:
-        """Close the stream and the channel; idempotent."""
+        """Store pending writes, unmap shared memory, close the stream and the channel; idempotent."""
+        if self._local is not None:
+            self._local.close()
         self._stream.close()
         self._channel.close()
 

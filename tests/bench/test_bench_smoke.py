@@ -39,13 +39,16 @@ def test_quick_run_checks_every_contender(tmp_path: Path) -> None:
     turns = result["config"]["turns"]
     assert result["config"]["conversations"] == 1 and turns == 10
     contenders = result["contenders"]
-    for name in (*IN_PROCESS, "tokcache"):
+    for name in (*IN_PROCESS, "tokcache", "tokcache-rpc"):
         c = contenders[name]
         assert c["status"] == "ok", c["reason"]
         assert c["ids_checked"] and c["checked_calls"] == turns and c["mismatches"] == 0, name
         assert len(c["samples"]) == turns and all(s["us"] > 0 for s in c["samples"]), name
     assert "smg" not in contenders
-    assert contenders["tokcache-floor"]["status"] == "ok"
+    assert contenders["tokcache-rpc-floor"]["status"] == "ok"
+    # The default client answered every turn in its own process; the RPC contender over gRPC.
+    assert {s["served_by"] for s in contenders["tokcache"]["samples"]} == {"local"}
+    assert {s["served_by"] for s in contenders["tokcache-rpc"]["samples"]} == {"sidecar"}
     assert result["mismatches"] == [] and result["exit_code"] == 0
     assert result["tokcache"]["l1_hit_share_turns_ge2"] is not None
     assert (tmp_path / "multiturn_latency.png").stat().st_size > 0

@@ -649,14 +649,9 @@ _CLIENT_SETTINGS = settings(max_examples=120, deadline=None, database=None,
 @_CLIENT_SETTINGS
 @given(data=st.data())
 def test_client_names_the_one_defect(call: Call, method: str, data: st.DataObject) -> None:
-    args, field, exact = data.draw(inject(method, client_hooks=False))
+    args, field, exact = data.draw(inject(method))
     with pytest.raises(InvalidArgumentError) as exc:
         call(method, **args)
-    if method == "record_outputs":
-        # Until the clients call build_records (HOOK), an item's index is not known where
-        # it is checked: a bad item is named ``records``, a bad value in it by its key.
-        assert exc.value.code is None and _root(exc.value.field) in {*args, *RECORD_FIELDS}, str(exc.value)
-        return
     _check_refusal(exc.value, field, exact)
 
 
@@ -664,14 +659,11 @@ def test_client_names_the_one_defect(call: Call, method: str, data: st.DataObjec
 @_CLIENT_SETTINGS
 @given(data=st.data())
 def test_client_raises_nothing_but_invalid_argument(call: Call, method: str, data: st.DataObject) -> None:
-    args = data.draw(st.one_of(good_args(method), garbled(method, client_hooks=False)))
+    args = data.draw(st.one_of(good_args(method), garbled(method)))
     try:
         result = call(method, **args)
     except InvalidArgumentError as exc:
-        if method == "record_outputs":  # see test_client_names_the_one_defect
-            assert _root(exc.field) in {*args, *RECORD_FIELDS}, str(exc)
-        else:
-            assert resolves(exc.field, _all_args(method, args)), (exc.field, str(exc))
+        assert resolves(exc.field, _all_args(method, args)), (exc.field, str(exc))
     except UnknownModelError:
         assert isinstance(args["model"], str) and args["model"] != MODEL
     else:
@@ -681,7 +673,6 @@ def test_client_raises_nothing_but_invalid_argument(call: Call, method: str, dat
 HELLO = [{"role": "user", "content": "hello"}]
 
 
-@pytest.mark.xfail(strict=True, reason=HOOK)
 @pytest.mark.parametrize(("method", "args", "field"), [
     ("tokenize", {"model": MODEL, "messages": HELLO, "timeout": math.nan}, "timeout"),
     ("tokenize", {"model": MODEL, "messages": HELLO, "timeout": "1"}, "timeout"),
@@ -698,9 +689,6 @@ def test_client_checks_needing_the_hook(call: Call, method: str, args: dict[str,
     assert exc.value.field == field
 
 
-@pytest.mark.xfail(strict=True, reason="the in-process text path (zero_rpc) checks only text, "
-                                       "add_special_tokens, cache_salt, mode and timeout (_local.check_local_args); "
-                                       "it should call _validate.tokenize with every argument")
 @pytest.mark.parametrize("args", [{"tools": ""}, {"add_generation_prompt": None}, {"chat_template_kwargs": 1}])
 def test_in_process_path_checks_every_argument(sidecar: SidecarProcess, args: dict[str, Any]) -> None:
     with SidecarClient(sidecar.address) as client:

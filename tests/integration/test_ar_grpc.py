@@ -77,10 +77,10 @@ def test_refusals_are_typed_and_streams_continue(address: str, engine: ModelEngi
         assert e.value.field == "output_token_ids"
         with pytest.raises(InvalidArgumentError) as e:
             c.record_output("qwen3", **{**good, "stop_reason": "</s>"})
-        assert e.value.field == "stop_string"
+        assert e.value.field == "stop_reason"
         with pytest.raises(InvalidArgumentError) as e:
             c.record_output("qwen3", **{**good, "output_token_ids": [-1]})
-        assert e.value.field == "output_token_ids"
+        assert e.value.field == "output_token_ids[0]"
         summary = c.record_outputs("qwen3", [good, {**good, "output_text": "bad"}, good])
         assert (summary.recorded, summary.refused) == (2, 1)
         assert summary.refusals[0][0] == 1 and "output_token_ids" in summary.refusals[0][1]

@@ -84,7 +84,7 @@ def test_raw_stream_replies_in_order_with_errors_in_band(sidecar: SidecarProcess
 def test_sync_client_streams_and_matches_unary(sidecar: SidecarProcess, qwen3_path: Path) -> None:
     ref = tokenizers.Tokenizer.from_file(str(qwen3_path / "tokenizer.json"))
     salt = uuid.uuid4().hex
-    with SidecarClient(sidecar.address) as c, grpc.insecure_channel(sidecar.address) as ch:
+    with SidecarClient(sidecar.address, zero_rpc=False) as c, grpc.insecure_channel(sidecar.address) as ch:
         stub = pb_grpc.TokenizerStub(ch)
         sources = []
         for text in _texts(8, "sync"):
@@ -114,7 +114,7 @@ def test_sync_client_streams_and_matches_unary(sidecar: SidecarProcess, qwen3_pa
 def test_concurrent_threads_share_one_client(sidecar: SidecarProcess, qwen3_path: Path) -> None:
     ref = tokenizers.Tokenizer.from_file(str(qwen3_path / "tokenizer.json"))
     texts = {f"t{i}": _texts(6, f"thread {i}") for i in range(6)}
-    with SidecarClient(sidecar.address) as c:
+    with SidecarClient(sidecar.address, zero_rpc=False) as c:
         def run(name: str) -> list[list[int]]:
             return [c.tokenize("qwen3", text=t, add_special_tokens=False).token_ids for t in texts[name]]
 
@@ -129,7 +129,7 @@ def test_async_client_streams_and_falls_back_when_busy(sidecar: SidecarProcess, 
     texts = _texts(12, "async")
 
     async def run() -> list[list[int]]:
-        async with AsyncSidecarClient(sidecar.address) as c:
+        async with AsyncSidecarClient(sidecar.address, zero_rpc=False) as c:
             first = await c.tokenize("qwen3", text=texts[0], add_special_tokens=False)
             assert c._stream._call_obj is not None
             many = await asyncio.gather(*(c.tokenize("qwen3", text=t, add_special_tokens=False) for t in texts))
@@ -146,7 +146,7 @@ def test_restart_and_drain_are_survived(tmp_path: Path, qwen3_path: Path, shm_pr
     ref = tokenizers.Tokenizer.from_file(str(qwen3_path / "tokenizer.json"))
     proc = SidecarProcess(tmp_path, {"qwen3": qwen3_path}, shm_prefix).start()
     try:
-        with SidecarClient(proc.address, timeout=10) as c:
+        with SidecarClient(proc.address, timeout=10, zero_rpc=False) as c:
             assert c.tokenize("qwen3", text="before").token_ids == ref.encode("before").ids
             assert c._stream._replies is not None
             # SIGTERM drains: the idle stream is ended at once, so shutdown does not wait out
@@ -197,13 +197,13 @@ def test_server_without_stream_gets_unary_calls(tmp_path: Path) -> None:
     try:
         # UNIMPLEMENTED turns streaming off. (grpc.aio sometimes reports a stream the server
         # ended at once as INTERNAL instead: that call falls back too and the next one retries.)
-        with SidecarClient(f"unix://{tmp_path}/old.sock") as c:
+        with SidecarClient(f"unix://{tmp_path}/old.sock", zero_rpc=False) as c:
             got = [c.tokenize("m", text=t).token_ids for t in "abc"]
             assert not c._stream.enabled
         assert got == [[7]] * 3 and servicer.unary_calls == 3
 
         async def run() -> list[list[int]]:
-            async with AsyncSidecarClient(f"unix://{tmp_path}/old.sock") as ac:
+            async with AsyncSidecarClient(f"unix://{tmp_path}/old.sock", zero_rpc=False) as ac:
                 ids = [(await ac.tokenize("m", text=t)).token_ids for t in "def"]
                 assert not ac._stream.enabled
                 return ids
@@ -217,7 +217,7 @@ def test_a_stream_that_never_answers_hits_the_deadline(tmp_path: Path) -> None:
     servicer = _OldSidecar(stream_hangs=True)
     server = _serve(servicer, tmp_path / "hang.sock")
     try:
-        with SidecarClient(f"unix://{tmp_path}/hang.sock") as c:
+        with SidecarClient(f"unix://{tmp_path}/hang.sock", zero_rpc=False) as c:
             t0 = time.monotonic()
             with pytest.raises(DeadlineExceeded):
                 c.tokenize("m", text="a", timeout=0.2)
@@ -226,7 +226,7 @@ def test_a_stream_that_never_answers_hits_the_deadline(tmp_path: Path) -> None:
             assert c._stream._replies is None  # dropped; the next call opens a new one
 
         async def run() -> None:
-            async with AsyncSidecarClient(f"unix://{tmp_path}/hang.sock") as ac:
+            async with AsyncSidecarClient(f"unix://{tmp_path}/hang.sock", zero_rpc=False) as ac:
                 t1 = time.monotonic()
                 with pytest.raises(DeadlineExceeded):
                     await ac.tokenize("m", text="a", timeout=0.2)
@@ -268,7 +268,7 @@ def test_delta_replies_rebuild_the_exact_ids(sidecar: SidecarProcess, qwen3_path
         assert e.value.details().startswith("known_results")
 
     # The client offers what it holds and rebuilds; a caller editing its list changes nothing.
-    with SidecarClient(sidecar.address) as c:
+    with SidecarClient(sidecar.address, zero_rpc=False) as c:
         for text in texts:
             r = c.tokenize("qwen3", text=text, add_special_tokens=False, cache_salt=salt + "c")
             assert r.token_ids == ref.encode(text, add_special_tokens=False).ids
@@ -284,7 +284,7 @@ def test_async_stream_survives_a_killed_sidecar(tmp_path: Path, qwen3_path: Path
     proc = SidecarProcess(tmp_path, {"qwen3": qwen3_path}, shm_prefix).start()
 
     async def run() -> None:
-        async with AsyncSidecarClient(proc.address, timeout=10) as c:
+        async with AsyncSidecarClient(proc.address, timeout=10, zero_rpc=False) as c:
             assert (await c.tokenize("qwen3", text="before")).token_ids == ref.encode("before").ids
             first = c._stream._call_obj
             assert first is not None
@@ -328,7 +328,7 @@ def test_request_deltas_send_only_the_new_text(tmp_path: Path, qwen3_path: Path,
                 assert e.value.code() == code and e.value.details().startswith(field), e.value.details()
 
         sent: list[tuple[int, bool]] = []
-        with SidecarClient(proc.address, timeout=10) as c:
+        with SidecarClient(proc.address, timeout=10, zero_rpc=False) as c:
             real = c._stream.try_call
 
             def spy(sreq: pb.TokenizeStreamRequest, timeout: Any, unary: Any) -> Any:
@@ -400,7 +400,7 @@ DEADLINE_BOUND_S = 0.1
 
 
 def test_sync_stream_holds_a_tiny_deadline(big_sidecar: SidecarProcess) -> None:
-    with SidecarClient(big_sidecar.address, timeout=30) as c:
+    with SidecarClient(big_sidecar.address, timeout=30, zero_rpc=False) as c:
         c.tokenize("qwen3", messages=_chat("warm the stream up"))
         assert c._stream._replies is not None
         for chat in [_big_chat() for _ in range(3)]:
@@ -416,7 +416,7 @@ def test_sync_stream_holds_a_tiny_deadline(big_sidecar: SidecarProcess) -> None:
 def test_async_stream_holds_a_tiny_deadline(big_sidecar: SidecarProcess) -> None:
     async def run() -> list[float]:
         took = []
-        async with AsyncSidecarClient(big_sidecar.address, timeout=30) as c:
+        async with AsyncSidecarClient(big_sidecar.address, timeout=30, zero_rpc=False) as c:
             await c.tokenize("qwen3", messages=_chat("warm the stream up"))
             assert c._stream._call_obj is not None
             for chat in [_big_chat() for _ in range(3)]:
@@ -435,7 +435,7 @@ def test_a_reply_after_the_deadline_is_not_returned(big_sidecar: SidecarProcess)
     """With the cancellation at the deadline switched off, the reply does arrive, late: it
     must still raise DeadlineExceeded, as a unary call's late reply does."""
     chat = _big_chat()
-    with SidecarClient(big_sidecar.address, timeout=30) as c:
+    with SidecarClient(big_sidecar.address, timeout=30, zero_rpc=False) as c:
         c._stream._alarm.arm = lambda call, deadline: None  # type: ignore[method-assign]
         with pytest.raises(DeadlineExceeded):
             c.tokenize("qwen3", messages=chat, timeout=DEADLINE_S)
@@ -443,7 +443,7 @@ def test_a_reply_after_the_deadline_is_not_returned(big_sidecar: SidecarProcess)
         assert c.tokenize("qwen3", messages=_chat("after"), timeout=10).token_ids
 
     async def run() -> None:
-        async with AsyncSidecarClient(big_sidecar.address, timeout=30) as c:
+        async with AsyncSidecarClient(big_sidecar.address, timeout=30, zero_rpc=False) as c:
             c._stream._expire = lambda call: None  # type: ignore[method-assign]
             with pytest.raises(DeadlineExceeded):
                 await c.tokenize("qwen3", messages=_big_chat(), timeout=DEADLINE_S)
@@ -458,7 +458,7 @@ def test_an_idle_dropped_client_ends_its_alarm_thread(big_sidecar: SidecarProces
         return sum(t.name == "tokcache-stream-alarm" for t in threading.enumerate())
 
     before = alarms()
-    c = SidecarClient(big_sidecar.address)
+    c = SidecarClient(big_sidecar.address, zero_rpc=False)
     c.tokenize("qwen3", messages=_chat("x"), timeout=10)
     assert alarms() == before + 1
     del c  # never closed

@@ -24,7 +24,7 @@ def test_sigterm_under_load_loses_no_accepted_request(tmp_path: Path, qwen3_path
     stop = threading.Event()
 
     def worker(n: int) -> None:
-        with SidecarClient(proc.address, timeout=20) as c:
+        with SidecarClient(proc.address, timeout=20, zero_rpc=False) as c:  # drain is about RPCs
             i = 0
             while not stop.is_set() and i < 5000:
                 text = f"<|im_start|>user\nworker {n} request {i} {uuid.uuid4().hex} " + "long text " * 300

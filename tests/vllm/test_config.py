@@ -33,7 +33,8 @@ def test_every_variable() -> None:
 
 def test_the_names_are_declared_once() -> None:
     assert set(ENV.values()) == {"TOKCACHE_ADDRESS", "TOKCACHE_MODEL", "TOKCACHE_TIMEOUT_MS",
-                                 "TOKCACHE_BREAKER_FAILURES", "TOKCACHE_BREAKER_RESET_S", "TOKCACHE_RECORD_QUEUE", "TOKCACHE_RECORD_WAIT_MS",
+                                 "TOKCACHE_BREAKER_FAILURES", "TOKCACHE_BREAKER_RESET_S", "TOKCACHE_RECORD_QUEUE",
+                                 "TOKCACHE_RECORD_WAIT_MS", "TOKCACHE_ZERO_RPC", "TOKCACHE_OBSERVE_ONLY",
                                  "TOKCACHE_DISABLE"}
 
 

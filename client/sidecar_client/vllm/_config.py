@@ -37,6 +37,8 @@ ENV: dict[str, str] = {
     "breaker_reset_s": "TOKCACHE_BREAKER_RESET_S",
     "record_queue": "TOKCACHE_RECORD_QUEUE",
     "record_wait_ms": "TOKCACHE_RECORD_WAIT_MS",
+    "zero_rpc": "TOKCACHE_ZERO_RPC",
+    "observe_only": "TOKCACHE_OBSERVE_ONLY",
     "disable": "TOKCACHE_DISABLE",
 }
 
@@ -64,6 +66,11 @@ class PluginConfig:
     request path and gets :attr:`record_timeout_s`. ``record_wait_s`` bounds how long
     a finishing response waits for its record to reach the sidecar (0: never waits;
     the next turn may then miss the record in another API server process).
+    ``zero_rpc``: tokenize in vLLM's process from the sidecar's shared memory when its
+    segment can be mapped here (default; ``TOKCACHE_ZERO_RPC=0`` sends every prompt over RPC).
+    ``observe_only``: never use the sidecar; vLLM tokenizes every prompt and the plugin only
+    times it (``tokcache_vllm_tokenize_seconds{path="vllm"}``): a baseline measured the
+    same way, e.g. with and without ``VLLM_USE_FASTOKENS=1``.
     """
 
     address: str = DEFAULT_ADDRESS
@@ -74,6 +81,8 @@ class PluginConfig:
     record_queue: int = DEFAULT_RECORD_QUEUE
     disabled: bool = False
     record_wait_s: float = DEFAULT_RECORD_WAIT_MS / 1000.0
+    zero_rpc: bool = True
+    observe_only: bool = False
 
     def __post_init__(self) -> None:
         if not self.address:
@@ -115,6 +124,8 @@ class PluginConfig:
             record_queue=_int(ENV["record_queue"], get("record_queue"), DEFAULT_RECORD_QUEUE),
             disabled=_flag(ENV["disable"], env.get(ENV["disable"], "")),
             record_wait_s=_float(ENV["record_wait_ms"], get("record_wait_ms"), DEFAULT_RECORD_WAIT_MS) / 1000.0,
+            zero_rpc=_flag(ENV["zero_rpc"], env.get(ENV["zero_rpc"], "1")),
+            observe_only=_flag(ENV["observe_only"], env.get(ENV["observe_only"], "")),
         )
 
 

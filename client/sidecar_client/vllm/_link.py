@@ -1,21 +1,23 @@
-"""The plugin's connection to the sidecar: handshake, Tokenize, RecordOutputs.
+"""The plugin's connection to the sidecar: handshake, tokenize, RecordOutputs.
 
-Built on the client's shared core (request building, response reading, error
-translation) with its own ``grpc.aio`` channel, because the plugin needs what
-a general client does not: per-call trace metadata, a short reconnect backoff
-(the channel reconnects to a restarted sidecar within a second, so the next
-breaker probe finds it), and a breaker around every call. Calls never wait
-for a connection (no ``wait_for_ready``): a dead sidecar costs nothing, a
-hung one costs one deadline per breaker probe.
+Built on the public :class:`~sidecar_client.AsyncSidecarClient` (one per event loop):
+its in-process read path answers a prompt from the node's shared memory with no RPC
+whenever the sidecar's segment for vLLM's tokenizer can be mapped here; otherwise the
+client's ``Tokenize`` RPC does, with this call's deadline and trace metadata. The plugin
+adds what a general client does not need: a short reconnect backoff (a restarted
+sidecar is found again within a second), a circuit breaker around every RPC (reads in
+this process need none: they cannot hang), and the fingerprint handshake. Calls never
+wait for a connection (no ``wait_for_ready``): a dead sidecar costs nothing, a hung one
+costs one deadline per breaker probe.
 
-Nothing here raises into vLLM: :meth:`SidecarLink.tokenize` returns either the
-served ids or the reason to fall back. Runs on one event loop (no locks); a
-call from another loop gets a channel of its own.
+Nothing here raises into vLLM: :meth:`SidecarLink.tokenize` returns either the served
+ids or the reason to fall back. Runs on one event loop (no locks); a call from another
+loop gets a client of its own.
 
-Handshake: ``ListModels``, then the model whose tokenizer fingerprint equals
-vLLM's (or ``TOKCACHE_MODEL``, which must match too). A refused handshake is
-retried every ``breaker_reset_s``; every Tokenize reply's fingerprint is
-checked again, so a sidecar restarted with another tokenizer is caught.
+Handshake: ``ListModels``, then the model whose tokenizer fingerprint equals vLLM's (or
+``TOKCACHE_MODEL``, which must match too). A refused handshake is retried every
+``breaker_reset_s``; every answer's fingerprint is checked again, so a sidecar restarted
+with another tokenizer is caught.
 """
 
 from __future__ import annotations
@@ -25,13 +27,11 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
-import grpc
-
 from sidecar_client import _core
-from sidecar_client._results import ResultCache
-from sidecar_client._tokenize_stream import AsyncTokenizeStream
+from sidecar_client._async import AsyncSidecarClient
 from sidecar_client.errors import (
     DeadlineExceeded,
     InvalidArgumentError,
@@ -39,13 +39,10 @@ from sidecar_client.errors import (
     SidecarUnavailable,
     TokcacheError,
     UnknownModelError,
-    translate,
 )
 from sidecar_client.vllm._breaker import BreakerState, CircuitBreaker
 from sidecar_client.vllm._config import ENV, PluginConfig
 from sidecar_client.vllm._stats import PluginStats
-from tokcache.v1 import tokenizer_pb2 as pb
-from tokcache.v1 import tokenizer_pb2_grpc as pb_grpc
 
 __all__ = ["CHANNEL_OPTIONS", "HandshakeState", "LinkStatus", "Served", "SidecarLink"]
 
@@ -66,13 +63,15 @@ CHANNEL_OPTIONS: list[tuple[str, Any]] = [
 
 @dataclass(frozen=True)
 class Served:
-    """Ids the sidecar returned for a prompt, and how it produced them."""
+    """Ids the cache gave for a prompt, how, and where (``served_by``: "local" when decided
+    in this process from shared memory, "sidecar" when its Tokenize RPC answered)."""
 
     token_ids: list[int]
     model: str
     source: str
     cached_tokens: int
     ar_spliced_tokens: int
+    served_by: str = "sidecar"
 
 
 @dataclass(frozen=True)
@@ -104,10 +103,8 @@ class SidecarLink:
         self._retry_at = 0.0
         self._inflight: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._channel: grpc.aio.Channel | None = None
-        self._stub: Any = None
-        self._tstream: AsyncTokenizeStream | None = None
-        self._results = ResultCache()
+        self._client: AsyncSidecarClient | None = None
+        self._models: list[Any] = []  # the last ListModels answer (for a client made later)
         self._refusals = 0
         if fingerprint is None:
             self._set_handshake("disabled", "vLLM's tokenizer has no tokenizer.json to fingerprint "
@@ -144,25 +141,25 @@ class SidecarLink:
             log.info("tokcache: sidecar at %s answers again; circuit breaker closed", self.config.address)
 
     # -- channel --------------------------------------------------------------------------
-    def _stub_here(self) -> Any:
+    def client(self) -> AsyncSidecarClient:
+        """This loop's client (a gRPC channel belongs to the loop it was created on)."""
         loop = asyncio.get_running_loop()
-        if self._stub is None or self._loop is not loop:
-            # A channel belongs to the loop it was created on; an old one is left to the GC.
-            self._channel = grpc.aio.insecure_channel(_core.channel_target(self.config.address),
-                                                      options=CHANNEL_OPTIONS)
-            self._stub = pb_grpc.TokenizerStub(self._channel)
-            self._tstream = AsyncTokenizeStream(self._channel, ())
+        if self._client is None or self._loop is not loop:
+            # An old loop's client is left to the GC; its segment mappings go with it.
+            tokenizers = {m.name: self.tokenizer_file for m in self._models} if self.tokenizer_file else {}
+            self._client = AsyncSidecarClient(self.config.address, timeout=self.config.timeout_s,
+                                              zero_rpc=self.config.zero_rpc, tokenizers=tokenizers,
+                                              channel_options=CHANNEL_OPTIONS[len(_core.CHANNEL_OPTIONS):])
+            if self._client.local is not None and self._models:
+                self._client.local.set_models(self._models)
             self._loop = loop
-        return self._stub
+        return self._client
 
     async def close(self) -> None:
-        """Close the channel (same loop only); idempotent."""
-        channel, self._channel, self._stub = self._channel, None, None
-        if self._tstream is not None:
-            self._tstream.close()
-            self._tstream = None
-        if channel is not None and self._loop is asyncio.get_running_loop():
-            await channel.close()
+        """Store pending writes, unmap, close the channel (same loop only); idempotent."""
+        client, self._client = self._client, None
+        if client is not None and self._loop is asyncio.get_running_loop():
+            await client.close()
 
     # -- handshake ------------------------------------------------------------------------
     def start_handshake(self) -> None:
@@ -197,11 +194,11 @@ class SidecarLink:
 
     async def _handshake(self) -> None:
         try:
-            resp = await self._stub_here().ListModels(pb.ListModelsRequest(), timeout=max(1.0, self.config.timeout_s))
-            models = _core.read_models(resp)
-        except grpc.RpcError as exc:
+            client = self.client()
+            models = await client.list_models(timeout=max(1.0, self.config.timeout_s))
+        except TokcacheError as exc:
             self.breaker.failure()
-            self._set_handshake("unreachable", f"ListModels on {self.config.address} failed: {translate(exc)}")
+            self._set_handshake("unreachable", f"ListModels on {self.config.address} failed: {exc}")
             return
         except Exception as exc:  # a malformed reply: treat as a failed call
             self.breaker.failure()
@@ -228,6 +225,11 @@ class SidecarLink:
                 return
             chosen = matches[0]
         self.model = chosen.name
+        self._models = [chosen]
+        if client.local is not None:
+            if self.tokenizer_file:
+                client.local.tokenizers[chosen.name] = Path(self.tokenizer_file)
+            client.local.set_models(self._models)
         self._set_handshake("ready")
 
     def _refuse(self, reason: str) -> None:
@@ -265,35 +267,21 @@ class SidecarLink:
                        trace: Sequence[tuple[str, str]] = ()) -> Served | str:
         """Ids for ``text`` in kv-stable mode, or the reason to let vLLM tokenize. Never raises.
 
-        Waits at most ``timeout_s`` (plus a handshake bounded the same way).
+        In this process when the segment is mapped (no RPC, no breaker: a read cannot
+        hang); else over RPC, waiting at most ``timeout_s`` (plus a handshake bounded the
+        same way) unless the breaker is open.
         """
         try:
             model = await self._ready_model()
             if model is None:
                 return self._not_ready_reason()
-            if not self.breaker.allow():
+            client = self.client()
+            local = client.local is not None and client.local.available(model)
+            if not local and not self.breaker.allow():
                 return "breaker_open"
-            # Deltas both ways on the results held for this conversation (see _core.TokenizePlan).
-            plan = _core.TokenizePlan(self._results, model, text=text, messages=None, tools=None,
-                                      add_generation_prompt=False, continue_final_message=False,
-                                      chat_template_kwargs=None, add_special_tokens=add_special_tokens,
-                                      cache_salt=cache_salt, mode="kv-stable", return_prompt_text=False)
-            for key, value in trace:
-                if key in _TRACE_KEYS:
-                    setattr(plan.sreq, key, value)
-            stub = self._stub_here()
-            assert self._tstream is not None
-            timeout = self.config.timeout_s
-
-            async def unary(left: float | None) -> Any:
-                try:
-                    return await stub.Tokenize(plan.req, timeout=left, metadata=tuple(trace) or None)
-                except grpc.RpcError as exc:
-                    raise translate(exc) from exc
-
-            # The open stream when free (half the per-call cost), else a unary call.
-            resp = await self._tstream.send(plan, timeout, unary)
-            result = plan.finish(resp)
+            result = await client.tokenize(model, text=text, add_special_tokens=add_special_tokens,
+                                           cache_salt=cache_salt, mode="kv-stable", timeout=self.config.timeout_s,
+                                           metadata=tuple((k, v) for k, v in trace if k in _TRACE_KEYS))
         except asyncio.CancelledError:
             raise
         except TokcacheError as exc:
@@ -302,7 +290,8 @@ class SidecarLink:
             log.exception("tokcache: unexpected error in Tokenize; falling back")
             self.breaker.failure()
             return "plugin_error"
-        self.breaker.success()
+        if result.served_by == "sidecar":
+            self.breaker.success()
         if result.fingerprint != self.fingerprint:
             self.model = None
             self._retry_at = 0.0
@@ -311,7 +300,7 @@ class SidecarLink:
                         model, result.fingerprint, self.fingerprint)
             return "fingerprint_changed"
         d = result.decision
-        return Served(result.token_ids, model, d.source, d.cached_tokens, d.ar_spliced_tokens)
+        return Served(result.token_ids, model, d.source, d.cached_tokens, d.ar_spliced_tokens, result.served_by)
 
     async def record(self, model: str, records: list[Mapping[str, Any]], trace: Sequence[tuple[str, str]]) -> None:
         """Send ``records`` on one RecordOutputs stream; counts outcomes in ``stats``. Never raises."""
@@ -322,21 +311,23 @@ class SidecarLink:
         if not self.breaker.allow():
             self.stats.record_skips["breaker_open"] += n
             return
-        reqs = []
+        reqs: list[Mapping[str, Any]] = []
         for r in records:
             try:
-                reqs.append(_core.build_record(model, **_core.record_kwargs(r)))
+                _core.build_record(model, **_core.record_kwargs(r))  # checked here: one bad record is skipped
             except TokcacheError:
                 self.stats.record_skips["invalid"] += 1
+            else:
+                reqs.append(r)
         if not reqs:
             return
         try:
-            resp = await self._stub_here().RecordOutputs(iter(reqs), timeout=self.config.record_timeout_s,
-                                                         metadata=tuple(trace) or None)
+            resp = await self.client().record_outputs(model, reqs, timeout=self.config.record_timeout_s,
+                                                      metadata=tuple(trace))
         except asyncio.CancelledError:
             raise
-        except grpc.RpcError as exc:
-            self._failed(translate(exc))
+        except TokcacheError as exc:
+            self._failed(exc)
             self.stats.records["failed"] += len(reqs)
             return
         except Exception:
@@ -346,9 +337,9 @@ class SidecarLink:
         self.breaker.success()
         self.stats.records["recorded"] += resp.recorded
         self.stats.records["refused"] += resp.refused
-        for refusal in resp.refusals:
+        for _index, reason in resp.refusals:
             self._refusals += 1
             # The first few in full, then a sample: refusals are expected now and then
             # (special tokens in skipped text), a flood means a bug worth seeing.
             if self._refusals <= 10 or self._refusals % 1000 == 0:
-                log.info("tokcache: the sidecar refused a record (%d so far): %s", self._refusals, refusal.reason)
+                log.info("tokcache: the sidecar refused a record (%d so far): %s", self._refusals, reason)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextvars
 import logging
 import threading
+import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -78,7 +79,10 @@ def _make_runtime(config: VllmConfig, tokenizer: Any) -> PluginRuntime | None:
              version_line, plugin_config.address, plugin_config.model or "(by tokenizer fingerprint)",
              plugin_config.timeout_s * 1000, plugin_config.breaker_failures, plugin_config.breaker_reset_s,
              plugin_config.record_queue)
-    runtime.link.start_handshake()
+    if plugin_config.observe_only:
+        log.info("tokcache: observe-only (TOKCACHE_OBSERVE_ONLY): vLLM tokenizes every prompt, the plugin times it")
+    else:
+        runtime.link.start_handshake()
     return runtime
 
 
@@ -150,7 +154,7 @@ class TokcacheRenderer(HfRenderer):  # type: ignore[misc,unused-ignore]
         assert runtime is not None
         try:
             kwargs = params.get_encode_kwargs()
-            reason = self._unsupported(prompt, params, kwargs)
+            reason = "observe_only" if runtime.config.observe_only else self._unsupported(prompt, params, kwargs)
             if reason is not None:
                 runtime.fallback(reason)
             else:
@@ -163,7 +167,10 @@ class TokcacheRenderer(HfRenderer):  # type: ignore[misc,unused-ignore]
         except Exception:  # the host must never see our errors (CancelledError still propagates)
             log.exception("tokcache: tokenize hook failed; vLLM tokenizes this prompt")
             runtime.fallback("plugin_error")
-        return await self._vllm_tokenize_prompt_async(prompt, params)
+        t0 = time.perf_counter()
+        out = await self._vllm_tokenize_prompt_async(prompt, params)
+        runtime.stats.observe_tokenize("vllm", time.perf_counter() - t0)
+        return out
 
 
 def install_generate_wrapper(runtime: PluginRuntime) -> None:

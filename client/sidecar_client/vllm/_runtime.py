@@ -63,11 +63,14 @@ class PluginRuntime:
         if self.recorder.related(text, cache_salt):  # the previous turn's record is still on its way
             self.stats.record_waits += 1
             await self.recorder.wait_related(text, cache_salt, self.config.timeout_s)
+        t0 = time.perf_counter()
         outcome = await self.link.tokenize(text, add_special_tokens=add_special_tokens, cache_salt=cache_salt,
                                            trace=trace)
         if isinstance(outcome, str):
             self.fallback(outcome)
             return None
+        self.stats.observe_tokenize(outcome.served_by, time.perf_counter() - t0)
+        self.stats.served[outcome.served_by] += 1
         if max_length is not None and len(outcome.token_ids) > max_length:
             self.fallback("too_long")
             return None

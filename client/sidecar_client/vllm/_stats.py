@@ -29,8 +29,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
-__all__ = ["BREAKER_STATES", "RESPONSE_WAIT_BUCKETS", "MirroredCounter", "PluginStats", "StatusLike",
-           "install_prometheus"]
+__all__ = ["BREAKER_STATES", "RESPONSE_WAIT_BUCKETS", "TOKENIZE_BUCKETS", "MirroredCounter", "PluginStats",
+           "StatusLike", "install_prometheus"]
 
 log = logging.getLogger("vllm.tokcache.stats")
 
@@ -50,7 +50,14 @@ _FAMILIES: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
     "records": ("tokcache_vllm_records", "Finished outputs sent to RecordOutputs, by result",
                 "result", ("queued", "dropped", "recorded", "refused", "failed", "trimmed")),
     "record_skips": ("tokcache_vllm_record_skips", "Finished outputs not recorded, by reason", "reason", ()),
+    "served": ("tokcache_vllm_served", "Prompts the cache answered, by where the decision was made (local: in "
+               "vLLM's process from the node's shared memory, no RPC; sidecar: its Tokenize RPC)",
+               "path", ("local", "sidecar")),
 }
+# Seconds to produce a prompt's ids, by path: local, sidecar, vllm (vLLM's own tokenizer,
+# when the plugin falls back or observes only).
+TOKENIZE_BUCKETS = (0.00005, 0.0001, 0.0002, 0.0003, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075,
+                    0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
 # PluginStats number attribute -> (metric name, help)
 _SCALARS: dict[str, tuple[str, str]] = {
     "cached_tokens": ("tokcache_vllm_cached_tokens", "Prompt tokens the sidecar served from its cache"),
@@ -94,6 +101,7 @@ class PluginStats:
     """
 
     tokenize: Counter[str] = field(default_factory=MirroredCounter)
+    served: Counter[str] = field(default_factory=MirroredCounter)
     fallbacks: Counter[str] = field(default_factory=MirroredCounter)
     records: Counter[str] = field(default_factory=MirroredCounter)
     record_skips: Counter[str] = field(default_factory=MirroredCounter)
@@ -106,6 +114,8 @@ class PluginStats:
     response_wait_timeouts: int = 0
     response_wait_seconds: float = 0.0
     recent_response_waits: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
+    # Time to produce each prompt's ids, by path (local / sidecar / vllm): the latest 4096.
+    recent_tokenize: dict[str, deque[float]] = field(default_factory=dict)
     # Set by install_prometheus (object.__setattr__): not a field, so eq/repr/asdict ignore it.
     _mirror: ClassVar[_Mirror | None] = None
 
@@ -129,9 +139,16 @@ class PluginStats:
         if mirror is not None:
             mirror.observe_wait(seconds)
 
+    def observe_tokenize(self, path: str, seconds: float) -> None:
+        """Count the time one prompt's ids took on ``path`` (local, sidecar or vllm)."""
+        self.recent_tokenize.setdefault(path, deque(maxlen=4096)).append(seconds)
+        mirror = self._mirror
+        if mirror is not None:
+            mirror.observe_tokenize(path, seconds)
+
     def snapshot(self) -> dict[str, Any]:
         """A JSON-able copy (for logs and tests)."""
-        return {"tokenize": dict(self.tokenize), "fallbacks": dict(self.fallbacks),
+        return {"tokenize": dict(self.tokenize), "served": dict(self.served), "fallbacks": dict(self.fallbacks),
                 "records": dict(self.records), "record_skips": dict(self.record_skips),
                 "cached_tokens": self.cached_tokens, "ar_spliced_tokens": self.ar_spliced_tokens,
                 "record_waits": self.record_waits, "response_waits": self.response_waits,
@@ -179,6 +196,10 @@ class _Export:
         self.response_wait = Histogram("tokcache_vllm_response_wait_seconds",
                                        "Seconds a finishing response waited for its records to be answered "
                                        "by the sidecar", buckets=RESPONSE_WAIT_BUCKETS, registry=registry)
+        self.tokenize_time = Histogram("tokcache_vllm_tokenize_seconds",
+                                       "Seconds to produce a prompt's ids, by path: local (in this process from "
+                                       "shared memory), sidecar (Tokenize RPC), vllm (vLLM's own tokenizer)",
+                                       ["path"], buckets=TOKENIZE_BUCKETS, registry=registry)
         self.breaker_opens = PromCounter("tokcache_vllm_breaker_opens", "Times the circuit breaker opened",
                                          registry=registry)
         self.breaker_state = Gauge("tokcache_vllm_breaker_state", "Circuit breaker: 0 closed, 1 half-open, 2 open "
@@ -249,6 +270,12 @@ class _Mirror:
         except Exception:
             self._failure()
 
+    def observe_tokenize(self, path: str, seconds: float) -> None:
+        try:
+            self.export.tokenize_time.labels(path).observe(seconds)
+        except Exception:
+            self._failure()
+
     def refresh(self) -> None:
         """Set the gauges and breaker_opens from ``status()`` (only what changed)."""
         if self._refreshing:
@@ -316,6 +343,9 @@ def install_prometheus(stats: PluginStats, status: Callable[[], StatusLike], *, 
                 export.scalars[attr].inc(n)
         for seconds in stats.recent_response_waits:
             export.response_wait.observe(seconds)
+        for path, values in stats.recent_tokenize.items():
+            for seconds in values:
+                export.tokenize_time.labels(path).observe(seconds)
         object.__setattr__(stats, "_mirror", mirror)
         export.mirrors.append(weakref.ref(mirror))
         mirror.refresh()

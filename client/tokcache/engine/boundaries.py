@@ -17,6 +17,7 @@ boundaries. A tokenizer with none gets no L1, and says why.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -24,14 +25,14 @@ import threading
 from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tokcache.engine.encoder import Encoder
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BoundaryScanner", "BoundaryCheck", "check_boundaries"]
+__all__ = ["BoundaryCheck", "BoundaryScanner", "Scan", "added_tokens", "check_boundaries"]
 
 # (a, b) pairs around each candidate token: whitespace on either side probes
 # lstrip/rstrip, letters right after probe single_word, an empty ``a`` probes
@@ -65,15 +66,23 @@ class BoundaryCheck:
     disabled_reason: str
 
 
-def _added_tokens(tokenizer_json: Path) -> list[dict[str, object]]:
-    data = json.loads(tokenizer_json.read_text(encoding="utf-8"))
+def added_tokens(tokenizer_json: Path) -> list[dict[str, object]]:
+    """The ``added_tokens`` of a tokenizer.json (parsed once per file version: big vocabularies
+    take ~0.1 s to parse)."""
+    stat = tokenizer_json.stat()
+    return _added_tokens_cached(str(tokenizer_json), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=8)
+def _added_tokens_cached(path: str, _mtime_ns: int, _size: int) -> list[dict[str, object]]:
+    data = json.loads(Path(path).read_text(encoding="utf-8"))
     tokens = data.get("added_tokens") or []
     return [t for t in tokens if isinstance(t, dict) and isinstance(t.get("content"), str)]
 
 
 def check_boundaries(tokenizer_json: Path, reference: Encoder) -> BoundaryCheck:
     """Test every added token of ``tokenizer_json`` as a cut point with ``reference``."""
-    tokens = _added_tokens(tokenizer_json)
+    tokens = added_tokens(tokenizer_json)
     good: list[str] = []
     bad: list[str] = []
     for tok in tokens:
@@ -103,12 +112,20 @@ _Trie = dict[int | None, "_Trie"]
 
 
 @dataclass(frozen=True, slots=True)
-class _ScanMemo:
-    """A scanned text: every added-token match (start, end, is_boundary) and the boundary spans."""
+class Scan:
+    """A scanned text: every added-token match (start, end, is_boundary), the boundary spans,
+    and the text it extended (``base_len`` bytes, 0: none). Shared: never mutate the lists.
+
+    ``hashers`` lets a reader keep, per key namespace, a hash state at some offset of this
+    text, so the next text that extends it hashes only what it appended (see ``TextKeys``).
+    """
 
     data: bytes
     matches: list[tuple[int, int, bool]]
     spans: list[tuple[int, int]]
+    base_len: int = 0
+    hashers: dict[bytes, tuple[int, object]] = field(default_factory=dict)
+    base: Scan | None = None
 
 # Scan memo: texts remembered per process, grouped by a hash of their first bytes.
 _MEMO_TEXTS = 256
@@ -159,13 +176,13 @@ class BoundaryScanner:
         # Recent texts and their matches, by a hash of their first bytes: a
         # growing conversation rescans only what it appended. Guarded by _lock
         # (the memo is shared by the threads of a process).
-        self._memo: OrderedDict[int, list[_ScanMemo]] = OrderedDict()
+        self._memo: OrderedDict[int, list[Scan]] = OrderedDict()
         self._memo_texts = memo_texts
         self._lock = threading.Lock()
 
     @classmethod
     def from_tokenizer(cls, tokenizer_json: Path, check: BoundaryCheck) -> BoundaryScanner:
-        added = [str(t["content"]) for t in _added_tokens(tokenizer_json) if not t.get("normalized")]
+        added = [str(t["content"]) for t in added_tokens(tokenizer_json) if not t.get("normalized")]
         return cls(added, check.boundary_tokens)
 
     @property
@@ -186,18 +203,22 @@ class BoundaryScanner:
         return self.spans_and_base(data)[0]
 
     def spans_and_base(self, data: bytes) -> tuple[list[tuple[int, int]], int]:
-        """(boundary spans of ``data``, length of the recent text it extends, or 0).
+        """(boundary spans of ``data`` (a copy), length of the recent text it extends, or 0)."""
+        scan = self.scan(data)
+        return list(scan.spans), scan.base_len
 
-        The spans equal a full scan. When a recent text is a prefix of ``data``,
-        its matches are reused up to ``maxlen - 1`` bytes before its end (no
-        added token starting earlier can reach past it) and only the rest is
-        scanned. The base length tells the caller where the text it sent
-        before ends: the cuts up to there are the ones it cached then.
+    def scan(self, data: bytes) -> Scan:
+        """The boundary spans of ``data`` (== a full scan), and what it extends.
+
+        When a recent text is a prefix of ``data``, its matches are reused up to
+        ``maxlen - 1`` bytes before its end (no added token starting earlier can
+        reach past it) and only the rest is scanned. The result is shared with the
+        memo: read-only.
         """
         if self._pattern is None:
-            return [], 0
+            return Scan(data, [], [])
         head = hash(data[:_MEMO_HEAD])
-        base: _ScanMemo | None = None
+        base: Scan | None = None
         with self._lock:
             for cand in self._memo.get(head, ()):
                 if len(cand.data) <= len(data) and (base is None or len(cand.data) > len(base.data)) \
@@ -216,12 +237,17 @@ class BoundaryScanner:
             matches = kept + new
             spans = base.spans[:n_spans] + [(a, b) for a, b, is_boundary in new if is_boundary]
             base_len = len(base.data)
+        scan = Scan(data, matches, spans, base_len, base=base)
         with self._lock:
             entries = self._memo.setdefault(head, [])
             self._memo.move_to_end(head)
-            if not any(len(e.data) == len(data) and e.data == data for e in entries):
-                entries.append(_ScanMemo(data, matches, spans))
-                del entries[:-_MEMO_PER_HEAD]
+            same = next((e for e in entries if len(e.data) == len(data) and e.data == data), None)
+            if same is not None:
+                return same
+            entries.append(scan)
+            del entries[:-_MEMO_PER_HEAD]
             while len(self._memo) > self._memo_texts:
                 self._memo.popitem(last=False)
-        return list(spans), base_len
+        if base is not None:  # one level is all a reader uses: do not keep a chain of old texts alive
+            object.__setattr__(base, "base", None)
+        return scan

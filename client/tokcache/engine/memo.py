@@ -1,73 +1,98 @@
-"""A per-process memo of full id sequences the store holds, validated by record version.
+"""A per-process memo of chains this process has read or written, by record identity.
 
-Reading a 40-link chain out of shared memory (copy + verify every link) is
-the largest fixed cost of a warm Tokenize (~120 µs for 16k ids). The keys a
-process just stored are the ones its next request for the same conversation
-looks up, so it keeps their full ids, and reuses them only while
-``store.version(key)`` still names the same record — records are immutable
-and never reuse a position, so an unchanged version means unchanged ids.
-Anything else (evicted, replaced, consolidated) is a memo miss and the chain
-is read from the store as usual.
+Reading a long chain out of shared memory (copy + verify every record, widen, build the
+ids) is the largest cost of a warm lookup: ~120 µs for 16k ids as bytes, ~5 ms for 272k
+ids as a Python list. The records a process just wrote or read are the ones its next
+request for the same conversation walks through, so it keeps their ids, keyed by the
+record's identity ``(lsn, check prefix)``: records are immutable and that pair names one
+for ever, so an entry never goes stale — it only becomes useless once the record is
+evicted, and the LRU drops it. ``Log.walk_known`` asks :meth:`ChainMemo.known` at each
+record and stops at the first one held; whether a lookup hits never depends on the memo.
+
+An entry is ``(container, base, n)``: ``container[:base + n]`` are the chain's ids up to
+the record's first ``n`` own ids (see :mod:`tokcache.engine.ids` for containers).
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Mapping
+from typing import Generic
 
-from tokcache.store import Store
+from tokcache.engine.ids import IdFormat, Ids
+from tokcache.store import RecordRef
 
-__all__ = ["ChainMemo"]
+__all__ = ["DEFAULT_MEMO_IDS", "ChainMemo"]
 
-DEFAULT_MEMO_BYTES = 64 << 20
+DEFAULT_MEMO_IDS = 8 << 20  # ids referenced at most (shared containers count once per entry)
 
 
-class ChainMemo:
-    """LRU by bytes; thread-safe (one lock guards the dict and the byte count)."""
+class ChainMemo(Generic[Ids]):
+    """LRU by ids; thread-safe (one lock guards the dicts and the count).
 
-    def __init__(self, max_bytes: int = DEFAULT_MEMO_BYTES) -> None:
-        self._max = max_bytes
-        self._bytes = 0
-        # key -> (record version, buffer, bytes of the buffer that are key's ids)
-        self._entries: OrderedDict[bytes, tuple[int, bytes, int]] = OrderedDict()
+    Besides the chain, an entry may know some of the record's keys and how many of its
+    ids each uses (the keys this process wrote it with, or read it by): a lookup of such
+    a key whose index slot names the record's LSN needs no read of shared memory at all
+    (:meth:`held_key`). LSNs are never reused, and the record lists the key, so a slot
+    naming that LSN for that key can only mean this record.
+    """
+
+    def __init__(self, fmt: IdFormat[Ids], max_ids: int = DEFAULT_MEMO_IDS) -> None:
+        self.fmt = fmt
+        self._max = max_ids
+        self._ids = 0
+        # (lsn, check prefix) -> (container, base, n, floor, {key: n})
+        self._entries: OrderedDict[tuple[int, bytes], tuple[Ids, int, int, int, dict[bytes, int]]] = OrderedDict()
+        self._by_lsn: dict[int, tuple[int, bytes]] = {}
         self._lock = threading.Lock()
 
-    def get(self, store: Store, key: bytes) -> bytes | None:
-        """The memoized ids of ``key`` if the store still maps it to the same record."""
+    def known(self, lsn: int, check: bytes) -> tuple[Ids, int, int] | None:
+        """(container, base, n) for the record ``(lsn, check)``, or None (``Log.walk_known``)."""
         with self._lock:
-            entry = self._entries.get(key)
-        if entry is None:
-            return None
-        if store.version(key) != entry[0]:
-            self.drop(key)
-            return None
+            entry = self._entries.get((lsn, check))
+            if entry is None:
+                return None
+            self._entries.move_to_end((lsn, check))
+            return entry[0], entry[1], entry[2]
+
+    def held_key(self, lsn: int, key: bytes) -> tuple[Ids, int, int] | None:
+        """(container, tokens of ``key``'s ids, chain floor) when the record at ``lsn`` is held
+        and is known to list ``key``; else None."""
         with self._lock:
-            if key in self._entries:
-                self._entries.move_to_end(key)
-        _, buf, n = entry
-        return buf if n == len(buf) else buf[:n]
+            ident = self._by_lsn.get(lsn)
+            if ident is None:
+                return None
+            container, base, n, floor, keys = self._entries[ident]
+            used = keys.get(key)
+            if used is None or used > n or floor < 0:
+                return None
+            self._entries.move_to_end(ident)
+            return container, base + used, floor
 
-    def put(self, store: Store, key: bytes, ids: bytes, n: int | None = None) -> None:
-        """Remember ``ids[:n]`` for ``key`` as stored now (call right after the store put).
+    def put(self, ref: RecordRef, ids: Ids, keys: Mapping[bytes, int] | None = None) -> None:
+        """Remember that ``ids[:ref.base + ref.n]`` is the chain through ``ref``, and that
+        each of ``keys`` uses that many of the record's own ids.
 
-        Several keys may share one buffer; the byte budget counts each entry's share.
+        ``ids`` is never mutated (containers are immutable, see ``tokcache.engine.ids``).
         """
-        n = len(ids) if n is None else n
-        version = store.version(key)
-        if version is None or n > self._max:
+        size = ref.base + ref.n
+        if size > self._max or self.fmt.count(ids) < size:
             return
+        ident = (ref.lsn, ref.check)
         with self._lock:
-            old = self._entries.pop(key, None)
+            old = self._entries.pop(ident, None)
+            known = dict(keys or {})
             if old is not None:
-                self._bytes -= old[2]
-            self._entries[key] = (version, ids, n)
-            self._bytes += n
-            while self._bytes > self._max:
-                _, (_, _, dropped) = self._entries.popitem(last=False)
-                self._bytes -= dropped
+                self._ids -= old[1] + old[2]
+                known = {**old[4], **known}
+            self._entries[ident] = (ids, ref.base, ref.n, ref.floor, known)
+            self._by_lsn[ref.lsn] = ident
+            self._ids += size
+            while self._ids > self._max:
+                (lsn, _), (_, base, n, _, _) = self._entries.popitem(last=False)
+                self._by_lsn.pop(lsn, None)
+                self._ids -= base + n
 
-    def drop(self, key: bytes) -> None:
-        with self._lock:
-            old = self._entries.pop(key, None)
-            if old is not None:
-                self._bytes -= old[2]
+    def __len__(self) -> int:
+        return len(self._entries)

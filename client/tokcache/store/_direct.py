@@ -20,33 +20,13 @@ import threading
 import time
 from array import array
 from collections.abc import Callable
-from typing import Final
-
-from tokcache.store.keys import MODE_EXACT, MODE_KV_STABLE, KeyStream
 
 from ._reader import StoreReader
 from ._store import segment_name
 from .errors import StoreError
+from .keys import l0_key
 
 __all__ = ["DirectLookup", "l0_key"]
-
-_MODES: Final = {"kv-stable": MODE_KV_STABLE, "exact": MODE_EXACT}
-
-
-def l0_key(text: str | bytes, *, salt: str = "", mode: str = "kv-stable") -> bytes:
-    """The store key under which the sidecar keeps ``text``'s whole-text (L0) ids.
-
-    ``mode`` is the request's mode ("kv-stable" or "exact"). Raises ValueError for an
-    unknown mode and UnicodeEncodeError for text that is not valid Unicode.
-    """
-    try:
-        tag = _MODES[mode]
-    except KeyError:
-        raise ValueError(f"mode must be one of {sorted(_MODES)}, got {mode!r}") from None
-    stream = KeyStream(salt, tag)
-    stream.feed(text if isinstance(text, bytes) else text.encode("utf-8"))
-    return stream.exact_key()
-
 
 class DirectLookup:
     """L0 lookups in the segment of one tokenizer (``<prefix>-<fingerprint>``).

@@ -61,13 +61,14 @@ Arena
 
 from __future__ import annotations
 
+import os
 import struct
 from dataclasses import dataclass
 from typing import Final
 
 from blake3 import blake3
 
-LAYOUT_VERSION: Final = 3  # 3: the id width joined the static header
+LAYOUT_VERSION: Final = 4  # 3: the id width joined the static header; 4: generation, manifest
 MAGIC: Final = b"TOKCACHE"
 PAGE: Final = 4096
 HEADER_SIZE: Final = PAGE
@@ -79,9 +80,10 @@ ZERO_KEY: Final = bytes(KEY_SIZE)
 
 # --- header -----------------------------------------------------------------------------
 # magic | version | header_size | fingerprint | size | index_off | n_buckets | arena_off |
-# arena_size | slot_size | bucket_slots | created (epoch s) | id_bytes
-STATIC: Final = struct.Struct("<8sII16sQQQQQIIQI")
-STATIC_CHECK_OFF: Final = 96
+# arena_size | slot_size | bucket_slots | created (epoch s) | id_bytes | generation (random,
+# fixed at creation: tells a reader that a segment under the same name is another one)
+STATIC: Final = struct.Struct("<8sII16sQQQQQIIQIQ")
+STATIC_CHECK_OFF: Final = 112
 assert STATIC.size <= STATIC_CHECK_OFF
 
 W_HEAD: Final = 32  # byte 256
@@ -106,6 +108,14 @@ W_AR_PUTS: Final = 62  # records put with an AR entry: while 0, AR lookups can b
 W_SOFT_CAP: Final = 64  # byte 512: arena bytes writers may use; 0 = the whole arena
 W_RELEASE_TAIL: Final = 65  # tail when arena pages were last given back
 W_RELEASED: Final = 66  # bytes of arena pages given back (madvise MADV_REMOVE), cumulative
+# The manifest: what a reader needs to use the segment without asking the sidecar
+# (tokenizer facts the sidecar proved: encoder backend, boundary tokens, affixes...), as
+# JSON, published by the sidecar under the writer lock and read with a sequence lock:
+# seq u64 (odd while being written) | length u32 | pad u32 | check (16) | body.
+MANIFEST_OFF: Final = 1024
+MANIFEST_HEAD: Final = struct.Struct("<QII16s")
+MANIFEST_MAX: Final = HEADER_SIZE - MANIFEST_OFF - MANIFEST_HEAD.size
+assert MANIFEST_OFF >= (W_RELEASED + 1) * 8
 # Eight arbitrary bytes: a random write landing on W_RETIRED must not retire a segment.
 RETIRED_MARK: Final = int.from_bytes(b"RETIRED!", "little")
 
@@ -271,6 +281,7 @@ def pack_static(geometry: Geometry, fingerprint: bytes, created: int, id_bytes: 
         BUCKET_SLOTS,
         created,
         id_bytes,
+        int.from_bytes(os.urandom(8), "little") or 1,
     ).ljust(STATIC_CHECK_OFF, b"\0")
     return static + check_of(static)
 
@@ -288,6 +299,7 @@ class StaticHeader:
     bucket_slots: int
     created: int
     id_bytes: int
+    generation: int
     check_ok: bool
 
 
@@ -307,6 +319,7 @@ def unpack_static(page: bytes) -> StaticHeader:
         bucket_slots,
         created,
         id_bytes,
+        generation,
     ) = STATIC.unpack_from(page)
     check_ok = page[STATIC_CHECK_OFF : STATIC_CHECK_OFF + CHECK_SIZE] == check_of(page[:STATIC_CHECK_OFF])
     return StaticHeader(
@@ -319,5 +332,6 @@ def unpack_static(page: bytes) -> StaticHeader:
         bucket_slots=bucket_slots,
         created=created,
         id_bytes=id_bytes,
+        generation=generation,
         check_ok=check_ok,
     )

@@ -112,13 +112,16 @@ class RecordRef(NamedTuple):
 
     ``lsn`` and ``check`` (the first LINK_CHECK_SIZE bytes of its check) identify the record
     for ever (records are immutable and the check covers the LSN); ``base`` is the number
-    of tokens before its own ids in its chain, ``n`` how many of its own ids are meant.
+    of tokens before its own ids in its chain, ``n`` how many of its own ids are meant;
+    ``floor`` the LSN of the chain's oldest record (the chain is readable while tail is
+    at or below it; -1: unknown).
     """
 
     lsn: int
     check: bytes
     base: int
     n: int
+    floor: int = -1
 
 
 class Walk(NamedTuple):
@@ -276,7 +279,7 @@ class Log:
                 end = cur + size
                 if n > n_ids:
                     return self._failed(cur)
-                own = RecordRef(cur, bytes(rec[:LINK_CHECK_SIZE]), base, n)
+                own = RecordRef(cur, bytes(rec[:LINK_CHECK_SIZE]), base, n, floor)
                 if known is not None:
                     got = known(cur, own.check)
                     if got is not None and got[1] == base and n <= got[2]:

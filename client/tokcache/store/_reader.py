@@ -30,6 +30,7 @@ from ._layout import (
     widen,
 )
 from ._log import Known, Log, Walk
+from ._manifest import read_manifest
 from ._segment import SHM_DIR, Segment, attach_readonly, shm_path
 from ._store import StoreStats, segment_name, stats_of
 from .errors import SegmentMismatch, StoreClosed, StoreError
@@ -101,6 +102,20 @@ class StoreReader:
             return None
         return found._replace(rest=widen(found.rest, self.id_bytes))
 
+    def slot(self, key: bytes) -> tuple[int, int] | None:
+        """(record LSN, tail) of ``key``'s live, unexpired slot, or None (see ``Store.slot``)."""
+        if self._closed:
+            raise StoreClosed(f"{self.name} is closed")
+        soff = self._index.find(key)
+        if soff < 0:
+            return None
+        lsn_kind, expiry, _ = self._index.read(soff)
+        if expiry and self._clock() >= expiry:
+            return None
+        tail = int(self._words[W_TAIL])
+        lsn = lsn_kind & LSN_MASK
+        return (lsn, tail) if lsn >= tail else None
+
     def contains(self, key: bytes) -> bool:
         """Whether ``key`` has a live, unexpired slot (see :meth:`Store.contains`)."""
         if self._closed:
@@ -145,6 +160,17 @@ class StoreReader:
         if key_expiry and now >= key_expiry:
             return None
         return widen(data, self.id_bytes)
+
+    def manifest(self) -> bytes | None:
+        """The published manifest bytes, or None (see ``Store.publish``)."""
+        if self._closed:
+            raise StoreClosed(f"{self.name} is closed")
+        return read_manifest(self._segment.mm)
+
+    @property
+    def generation(self) -> int:
+        """The segment's random identity (see ``Store.generation``)."""
+        return self._segment.generation
 
     @property
     def replaced(self) -> bool:

@@ -52,6 +52,7 @@ from .errors import SegmentError, SegmentFull, SegmentMismatch
 __all__ = [
     "SHM_DIR",
     "Segment",
+    "attach_existing",
     "attach_readonly",
     "flocked",
     "open_segment",
@@ -114,6 +115,11 @@ class Segment:
     def fd(self) -> int:
         return int(self._shm.fd)
 
+    @property
+    def generation(self) -> int:
+        """The random identity written into the static header at creation."""
+        return _layout.unpack_static(self.mm[:HEADER_SIZE]).generation
+
     def close(self) -> None:
         """Unmap and close the descriptor. Idempotent. No view of ``mm`` may remain."""
         if self._closed:
@@ -172,19 +178,30 @@ def attach_readonly(name: str, fingerprint: bytes | None = None) -> Segment:
     errors, SegmentMismatch when it is not a segment this code can read. A retired
     segment is refused too (its name already points elsewhere).
     """
+    return attach_existing(name, fingerprint, writable=False)
+
+
+def attach_existing(name: str, fingerprint: bytes | None = None, *, writable: bool) -> Segment:
+    """Map the existing segment ``name`` as it is (its own size), never creating or replacing it.
+
+    :func:`attach_readonly`'s checks; with ``writable`` the mapping may be written (a
+    co-located client storing what its reads learned, under the writer lock) and
+    needs write permission on the segment (SegmentError otherwise).
+    """
     try:
-        shm = posix_ipc.SharedMemory(name, 0, read_only=True)
+        shm = posix_ipc.SharedMemory(name, 0, read_only=not writable)
     except posix_ipc.ExistentialError as exc:
         raise SegmentError(f"attach {name}: no such segment") from exc
     except (posix_ipc.Error, OSError) as exc:
         raise SegmentError(f"attach {name}: {exc}") from exc
     fd = int(shm.fd)
+    prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
     try:
         stat = os.fstat(fd)
         if stat.st_size < _layout.MIN_SIZE:
             raise SegmentMismatch(f"size {stat.st_size} is below the minimum {_layout.MIN_SIZE}")
         geometry = _layout.geometry_for(min(stat.st_size, _layout.MAX_SIZE))
-        mm = mmap.mmap(fd, geometry.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        mm = mmap.mmap(fd, geometry.size, flags=mmap.MAP_SHARED, prot=prot)
     except SegmentMismatch:
         shm.close_fd()
         raise

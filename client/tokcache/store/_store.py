@@ -44,6 +44,7 @@ from ._layout import (
     HEADER_SIZE,
     KEY_SIZE,
     LSN_BITS,
+    LSN_MASK,
     MAX_ENTRIES,
     PAGE,
     RECORD_ALIGN,
@@ -74,7 +75,8 @@ from ._layout import (
 )
 from ._lock import DEFAULT_TIMEOUT, WriterLock
 from ._log import CORRUPT, Entry, Known, Link, Log, RecordRef, Walk, effective_cap, min_soft_cap
-from ._segment import Segment, open_segment, unlink_segment
+from ._manifest import read_manifest, write_manifest
+from ._segment import Segment, attach_existing, open_segment, unlink_segment
 from .errors import FOREIGN_ERRORS, SegmentFull, StoreClosed, translate, translated
 
 if TYPE_CHECKING:
@@ -272,6 +274,32 @@ class Store:
                 segment.close()
                 raise
 
+    @classmethod
+    def attach(
+        cls,
+        name: str,
+        *,
+        fingerprint: str | None = None,
+        ttl: Mapping[Kind, float] | None = None,
+        clock: Callable[[], float] | None = None,
+        lock_timeout: float = DEFAULT_TIMEOUT,
+    ) -> Store:
+        """Open the existing segment called ``name`` ("/prefix-fingerprint") for writing, as it is.
+
+        Unlike :meth:`open` it never creates, resizes or replaces a segment: for a process
+        that writes into a segment someone else owns (a client storing what its reads
+        learned). Raises SegmentError when there is no such segment or it may not be
+        written (permissions), SegmentMismatch when it is not one this code can use.
+        """
+        ttls = _check_ttl(ttl)
+        with translate(f"attach {name}"):
+            segment = attach_existing(name, bytes.fromhex(fingerprint) if fingerprint else None, writable=True)
+            try:
+                return cls(segment, ttl=ttls, clock=clock or time.time, lock_timeout=lock_timeout)
+            except BaseException:
+                segment.close()
+                raise
+
     @staticmethod
     def attach_readonly(*, prefix: str, fingerprint: str, clock: Callable[[], float] | None = None) -> StoreReader:
         """Map the existing segment ``<prefix>-<fingerprint>`` read-only (see StoreReader).
@@ -301,6 +329,18 @@ class Store:
         if lsn_kind & ((1 << LSN_BITS) - 1) < self._words[W_TAIL]:
             return None  # the record fell off the log: the slot is stale
         return int(lsn_kind)
+
+    def slot(self, key: bytes) -> tuple[int, int] | None:
+        """(record LSN, tail) of ``key``'s live, unexpired slot, or None — no record read.
+
+        For a reader that already holds the record the slot names (by LSN: LSNs are never
+        reused) and knows ``key`` is in it: the chain is live while ``tail`` is at or
+        below the chain's floor. Lock-free; counts nothing.
+        """
+        lsn_kind = self._live_slot(key)
+        if lsn_kind is None:
+            return None
+        return lsn_kind & LSN_MASK, int(self._words[W_TAIL])
 
     def contains(self, key: bytes) -> bool:
         """Whether ``key`` has a live, unexpired index slot — without reading its chain.
@@ -577,7 +617,8 @@ class Store:
         under a soft cap, give back the pages tail left behind (in batches). Lock held.
         Returns the record's identity."""
         lsn, tail, head = self._append_backed(head, tail, size, link, ids, entries, kind, expiry, flags, cap)
-        ref = RecordRef(lsn, self._log.check_at(lsn), link.base if link is not None else 0, len(ids) // self.id_bytes)
+        ref = RecordRef(lsn, self._log.check_at(lsn), link.base if link is not None else 0, len(ids) // self.id_bytes,
+                        link.floor if link is not None else lsn)
         access = int(now) & U32_MAX
         for key, _n, entry_kind, entry_expiry in entries:
             self._index.set(key, entry_kind << LSN_BITS | lsn, entry_expiry, access, tail, head, now)
@@ -726,6 +767,33 @@ class Store:
             self._lock.acquire(timeout)
         except FOREIGN_ERRORS as exc:
             raise translated(f"lock {self.name}", exc) from exc
+
+    # --- the manifest -------------------------------------------------------------------
+
+    def publish(self, body: bytes, *, timeout: float | None = None) -> None:
+        """Publish ``body`` as the segment's manifest (replacing any). Takes the writer lock.
+
+        ValueError when it is larger than ``MANIFEST_MAX``; LockTimeout as :meth:`put`.
+        """
+        if self._mm is None:
+            raise StoreClosed(f"{self.name} is closed")
+        self._acquire(timeout)
+        try:
+            write_manifest(self._segment.mm, body)
+        finally:
+            self._lock.release()
+
+    def manifest(self) -> bytes | None:
+        """The published manifest bytes, or None (lock-free)."""
+        if self._mm is None:
+            raise StoreClosed(f"{self.name} is closed")
+        return read_manifest(self._segment.mm)
+
+    @property
+    def generation(self) -> int:
+        """The segment's random identity, fixed at creation (another segment under the same
+        name has another one)."""
+        return self._segment.generation
 
     # --- introspection and lifetime -----------------------------------------------------
 

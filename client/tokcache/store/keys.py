@@ -11,9 +11,11 @@ fingerprint, and two model names with the same tokenizer share entries.
 
 from __future__ import annotations
 
+from typing import Any
+
 from blake3 import blake3
 
-__all__ = ["KEY_BYTES", "KeyStream", "MODE_EXACT", "MODE_KV_STABLE", "TextKeys", "segment_key"]
+__all__ = ["KEY_BYTES", "KeyStream", "MODE_EXACT", "MODE_KV_STABLE", "TextKeys", "l0_key", "segment_key"]
 
 KEY_BYTES = 16
 MODE_EXACT = b"C"  # canonical ids only
@@ -27,11 +29,12 @@ _AR_SUFFIX = b"\xffAR"
 class KeyStream:
     """Incremental keys over one text. Not thread-safe; one per request."""
 
-    __slots__ = ("_h",)
+    __slots__ = ("_h", "namespace")
 
     def __init__(self, salt: str, mode: bytes) -> None:
         salt_b = salt.encode("utf-8")
-        self._h = blake3(b"tokcache/v1\x00" + mode + len(salt_b).to_bytes(4, "little") + salt_b)
+        self.namespace = mode + len(salt_b).to_bytes(4, "little") + salt_b
+        self._h = blake3(b"tokcache/v1\x00" + self.namespace)
 
     def feed(self, data: bytes) -> None:
         """Append the next bytes of the text."""
@@ -48,6 +51,24 @@ class KeyStream:
         h = self._h.copy()
         h.update(_AR_SUFFIX)
         return h.digest(KEY_BYTES)
+
+
+_MODES = {"kv-stable": MODE_KV_STABLE, "exact": MODE_EXACT}
+
+
+def l0_key(text: str | bytes, *, salt: str = "", mode: str = "kv-stable") -> bytes:
+    """The key under which the whole-text (L0) ids of ``text`` are kept.
+
+    ``mode`` is the request's mode ("kv-stable" or "exact"). Raises ValueError for an
+    unknown mode and UnicodeEncodeError for text that is not valid Unicode.
+    """
+    try:
+        tag = _MODES[mode]
+    except KeyError:
+        raise ValueError(f"mode must be one of {sorted(_MODES)}, got {mode!r}") from None
+    stream = KeyStream(salt, tag)
+    stream.feed(text if isinstance(text, bytes) else text.encode("utf-8"))
+    return stream.exact_key()
 
 
 def segment_key(salt: str, mode: bytes, text: bytes) -> bytes:
@@ -73,21 +94,49 @@ class TextKeys:
     of boundary ``i`` covers ``data[:end]``, its AR key ``data[:start]``.
     """
 
-    __slots__ = ("_base", "_data", "_spans", "_keys", "_ar_keys", "_exact")
+    __slots__ = ("_base", "_data", "_spans", "_keys", "_ar_keys", "_exact", "_resume", "_last")
 
-    def __init__(self, data: bytes, spans: list[tuple[int, int]], salt: str, mode: bytes) -> None:
+    @property
+    def data(self) -> bytes:
+        """The text the keys are of (UTF-8)."""
+        return self._data
+
+    def __init__(self, data: bytes, spans: list[tuple[int, int]], salt: str, mode: bytes,
+                 resume: tuple[int, Any] | None = None) -> None:
+        """``resume``: (offset, hash state after the namespace header and ``data[:offset]``),
+        from :meth:`last_cut_state` of a text ``data`` extends: hashing starts there."""
         self._base = KeyStream(salt, mode)
         self._data = data
         self._spans = spans
         self._keys: list[bytes | None] = [None] * len(spans)
         self._ar_keys: dict[int, bytes] = {}
         self._exact: bytes | None = None
+        self._resume = resume if resume is not None and resume[0] <= len(data) else None
+        self._last: tuple[int, Any] | None = None
+
+    def _hasher_at(self, offset: int) -> Any:
+        """A hasher fed the namespace header and ``data[:offset]``."""
+        r = self._resume
+        if r is not None and r[0] <= offset:
+            h = r[1].copy()
+            h.update(memoryview(self._data)[r[0]:offset])
+        else:
+            h = self._base._h.copy()
+            h.update(memoryview(self._data)[:offset])
+        return h
+
+    def namespace(self) -> bytes:
+        """What identifies these keys' namespace (mode and salt), for memoizing hash states."""
+        return self._base.namespace
+
+    def last_cut_state(self) -> tuple[int, Any] | None:
+        """(offset, hash state) where :meth:`scan_tail`'s window started (for ``resume``)."""
+        return self._last
 
     def exact_key(self) -> bytes:
         """The L0 key of the whole text."""
         if self._exact is None:
-            h = self._base._h.copy()
-            h.update(self._data)
+            h = self._hasher_at(len(self._data))
             h.update(_L0_SUFFIX)
             self._exact = h.digest(KEY_BYTES)
         return self._exact
@@ -96,17 +145,14 @@ class TextKeys:
         """The L1 key of ``data[:spans[i][1]]``."""
         k = self._keys[i]
         if k is None:
-            h = self._base._h.copy()
-            h.update(memoryview(self._data)[:self._spans[i][1]])
-            k = self._keys[i] = h.digest(KEY_BYTES)
+            k = self._keys[i] = self._hasher_at(self._spans[i][1]).digest(KEY_BYTES)
         return k
 
     def ar_key(self, i: int) -> bytes:
         """The AR key of ``data[:spans[i][0]]``: a recorded output ending where boundary ``i`` starts."""
         k = self._ar_keys.get(i)
         if k is None:
-            h = self._base._h.copy()
-            h.update(memoryview(self._data)[:self._spans[i][0]])
+            h = self._hasher_at(self._spans[i][0])
             h.update(_AR_SUFFIX)
             k = self._ar_keys[i] = h.digest(KEY_BYTES)
         return k
@@ -116,9 +162,11 @@ class TextKeys:
         whole-text key and, with ``ar``, the AR keys of boundaries ``> lo``."""
         lo = max(lo, 0)
         data, spans = memoryview(self._data), self._spans  # views: no copies of the text
-        h = self._base._h.copy()
         prev = spans[lo][1] if lo < len(spans) else len(data)
-        h.update(data[:prev])
+        h = self._hasher_at(prev)
+        # The state at the first cut of the window: a text that extends this one has at
+        # least as many cuts, so its window starts there or later.
+        self._last = (prev, h.copy())
         if lo < len(spans) and self._keys[lo] is None:
             self._keys[lo] = h.digest(KEY_BYTES)
         for i in range(lo + 1, len(spans)):

@@ -208,7 +208,7 @@ class ListModelsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "fingerprint", "backend", "vocab_size", "boundary_tokens", "l1_disabled_reason", "has_chat_template")
+    __slots__ = ("name", "fingerprint", "backend", "vocab_size", "boundary_tokens", "l1_disabled_reason", "has_chat_template", "shm_name", "model_dir", "default_mode")
     NAME_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
@@ -216,6 +216,9 @@ class ModelInfo(_message.Message):
     BOUNDARY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     L1_DISABLED_REASON_FIELD_NUMBER: _ClassVar[int]
     HAS_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    SHM_NAME_FIELD_NUMBER: _ClassVar[int]
+    MODEL_DIR_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_MODE_FIELD_NUMBER: _ClassVar[int]
     name: str
     fingerprint: str
     backend: str
@@ -223,7 +226,10 @@ class ModelInfo(_message.Message):
     boundary_tokens: int
     l1_disabled_reason: str
     has_chat_template: bool
-    def __init__(self, name: _Optional[str] = ..., fingerprint: _Optional[str] = ..., backend: _Optional[str] = ..., vocab_size: _Optional[int] = ..., boundary_tokens: _Optional[int] = ..., l1_disabled_reason: _Optional[str] = ..., has_chat_template: _Optional[bool] = ...) -> None: ...
+    shm_name: str
+    model_dir: str
+    default_mode: str
+    def __init__(self, name: _Optional[str] = ..., fingerprint: _Optional[str] = ..., backend: _Optional[str] = ..., vocab_size: _Optional[int] = ..., boundary_tokens: _Optional[int] = ..., l1_disabled_reason: _Optional[str] = ..., has_chat_template: _Optional[bool] = ..., shm_name: _Optional[str] = ..., model_dir: _Optional[str] = ..., default_mode: _Optional[str] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
     __slots__ = ("models",)

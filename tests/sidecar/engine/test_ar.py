@@ -91,7 +91,7 @@ def test_poisoned_records_are_refused_and_leave_no_trace(engine: ModelEngine) ->
         ({"output_ids": good[:-1]}, "output_token_ids"),
         ({"prompt_ids": _ids(o1.ids)[:-1] + [42]}, "prompt_token_ids"),
         ({"prompt_ids": _ids(o1.ids) + [engine.vocab_size]}, "prompt_token_ids"),
-        ({"stop_string": "STOP"}, "stop_string"),
+        ({"stop_string": "STOP"}, "stop_reason"),
         ({"output_ids": []}, "output_token_ids"),
     ]
     for override, field in bad_cases:

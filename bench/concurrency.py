@@ -1,0 +1,318 @@
+#!/usr/bin/env python3
+"""Throughput of P client processes replaying distinct agent conversations, contenders side by side.
+
+Each of P processes (P = 1, 4, 16 by default) replays its own deterministic 40-turn agent
+conversations (``conversations.py``, ~57 KB at the last turn; every process and every pass
+gets another seed, so no two requests share a conversation) as fast as it can, turn after
+turn, and records every request's latency. Contenders run one after another on the same
+cores, each with its own fresh server and cache:
+
+- ``fastokens``, ``fastokens+seg``  in-process in every client process (``+seg``: its segment cache)
+- ``smg``                           SMG 1.13's ``/v1/tokenize`` (HTTP keep-alive per process)
+- ``tokcache``                      the default client: reads the sidecar's shared memory in
+                                    each client process, writes what it learned from its
+                                    background thread (that CPU is on the same cores and in
+                                    the figures)
+- ``tokcache-rpc``                  the client with ``zero_rpc=False``: every request is a
+                                    gRPC round trip to one sidecar process
+
+Per contender and P: requests per second over the whole run (all processes started together
+at a barrier, until the last one finishes), and p50/p99 latency of every request. Every
+``--check``-th request's ids are compared with ``tokenizers``.
+
+Run: ``python bench/concurrency.py`` (``--quick``: P = 1, 4 and fewer turns). Writes
+``bench/out/concurrency.{json,png}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+for p in (str(HERE), str(REPO)):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+import conversations  # noqa: E402
+from _contenders import ContenderUnavailable, SmgContender, TokcacheContender  # noqa: E402
+
+SEGMENT_CACHE_BYTES = 64 << 20
+CONTENDERS = ("fastokens", "fastokens+seg", "smg", "tokcache", "tokcache-rpc")
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    k = (len(s) - 1) * q / 100
+    lo = int(k)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def _client(name: str, tok_dir: Path, target: str, smg_port: int) -> Any:
+    """A callable text -> list[int] for contender ``name``, built in the child process."""
+    tj = tok_dir / "tokenizer.json"
+    if name.startswith("fastokens"):
+        import fastokens
+
+        tok = fastokens.Tokenizer.from_file(str(tj))
+        tok.enable_segment_cache(SEGMENT_CACHE_BYTES if name == "fastokens+seg" else 0)
+        return lambda text: tok.encode(text, add_special_tokens=False).ids
+    if name == "smg":
+        import http.client
+        import socket
+
+        conn = http.client.HTTPConnection("127.0.0.1", smg_port, timeout=60)
+        conn.connect()
+        conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+        def smg(text: str) -> list[int]:
+            conn.request("POST", "/v1/tokenize", body=json.dumps({"model": str(tok_dir), "prompt": text}),
+                         headers={"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            data = resp.read()
+            if resp.status != 200:
+                raise RuntimeError(f"smg HTTP {resp.status}: {data[:200]!r}")
+            return list(json.loads(data)["tokens"])
+
+        return smg
+    from sidecar_client import SidecarClient
+
+    client = SidecarClient(target, zero_rpc=name == "tokcache", timeout=60)
+
+    def tc(text: str) -> list[int]:
+        return client.tokenize("bench", text=text, add_special_tokens=False).token_ids
+
+    tc.client = client  # type: ignore[attr-defined]
+    return tc
+
+
+def _child(name: str, index: int, args: dict[str, Any], barrier: Any, out: Any) -> None:
+    """One client process: build its conversations, wait at the barrier, replay, report."""
+    try:
+        import tokenizers
+
+        tok_dir = Path(args["tok_dir"])
+        render = conversations.load_renderer(tok_dir)
+        seeds = [args["seed"] + 1000 * index + k for k in range(args["passes"])]
+        texts = [t for s in seeds for t in conversations.generate(s, render, args["turns"], args["target"]).texts]
+        ref = tokenizers.Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+        fn = _client(name, tok_dir, args["target_addr"], args["smg_port"])
+        fn("warm-up: hello")  # connect / map / load before the clock starts
+        barrier.wait(timeout=600)
+        lat: list[float] = []
+        kept: list[tuple[int, list[int]]] = []
+        t0 = time.perf_counter()
+        for i, text in enumerate(texts):
+            s = time.perf_counter_ns()
+            ids = fn(text)
+            lat.append((time.perf_counter_ns() - s) / 1000)
+            if args["check"] and i % args["check"] == 0:
+                kept.append((i, ids))  # checked after the clock stops
+        wall = time.perf_counter() - t0
+        t_end = time.time()
+        bad = sum(ids != ref.encode(texts[i], add_special_tokens=False).ids for i, ids in kept)
+        client = getattr(fn, "client", None)
+        stats: dict[str, Any] = {}
+        if client is not None:
+            client.flush(30)
+            stats = client.stats()
+            client.close()
+        out.put({"index": index, "lat_us": lat, "wall": wall, "t_end": t_end, "mismatches": bad,
+                 "stats": stats, "pid": os.getpid()})
+    except BaseException as exc:  # report, never hang the parent
+        try:
+            barrier.abort()
+        except Exception:  # noqa: BLE001
+            pass
+        out.put({"index": index, "error": f"{type(exc).__name__}: {exc}"})
+
+
+def run_one(name: str, procs: int, args: argparse.Namespace, tok_dir: Path) -> dict[str, Any]:
+    """Start the contender's server (if any), run ``procs`` clients, stop the server."""
+    server: Any = None
+    target, smg_port = "", 0
+    try:
+        if name == "smg":
+            server = SmgContender(tok_dir, args.out_dir)
+            server.start()
+            smg_port = server.port
+        elif name.startswith("tokcache"):
+            server = TokcacheContender(tok_dir, args.out_dir, False, zero_rpc=name == "tokcache", name=name)
+            server.start()
+            target = server.target
+    except ContenderUnavailable as exc:
+        if server is not None:
+            server.close()
+        return {"status": "unavailable", "reason": str(exc)}
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(procs + 1)
+    out = ctx.Queue()
+    child_args = {"tok_dir": str(tok_dir), "seed": args.seed, "passes": args.passes, "turns": args.turns,
+                  "target": args.target_bytes, "target_addr": target, "smg_port": smg_port, "check": args.check}
+    children = [ctx.Process(target=_child, args=(name, i, child_args, barrier, out), daemon=True)
+                for i in range(procs)]
+    try:
+        for c in children:
+            c.start()
+        barrier.wait(timeout=600)
+        start = time.time()
+        results = [out.get(timeout=1800) for _ in children]
+    except Exception as exc:  # noqa: BLE001 - a broken barrier or a dead child: report it
+        results = [{"error": f"{type(exc).__name__}: {exc}"}]
+        start = time.time()
+    finally:
+        for c in children:
+            c.join(timeout=30)
+            if c.is_alive():
+                c.kill()
+        if server is not None:
+            server.close()
+    errors = [r["error"] for r in results if "error" in r]
+    if errors:
+        return {"status": "failed", "reason": errors[0]}
+    lat = [x for r in results for x in r["lat_us"]]
+    end = max(r["t_end"] for r in results)
+    wall = end - start
+    writes: dict[str, int] = {}
+    for r in results:
+        for k, v in (r["stats"].get("writes") or {}).items():
+            writes[k] = writes.get(k, 0) + v
+    return {"status": "ok", "requests": len(lat), "wall_s": wall, "req_per_s": len(lat) / wall,
+            "p50_us": percentile(lat, 50), "p99_us": percentile(lat, 99),
+            "mismatches": sum(r["mismatches"] for r in results), "writes": writes,
+            "max_us": max(lat), "slowest": sorted(((x, r["index"], i) for r in results
+                                                   for i, x in enumerate(r["lat_us"])), reverse=True)[:5],
+            "served_by_local": sum((r["stats"].get("tokenize") or {}).get(k, 0)
+                                   for r in results for k in ("miss", "l0", "l1", "ar"))}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--procs", default="1,4,16", help="client process counts (default 1,4,16)")
+    ap.add_argument("--contenders", default=",".join(CONTENDERS), help=f"subset of {','.join(CONTENDERS)}")
+    ap.add_argument("--passes", type=int, default=2, help="conversations each process replays (default 2)")
+    ap.add_argument("--turns", type=int, default=conversations.DEFAULT_TURNS)
+    ap.add_argument("--target-bytes", type=int, default=conversations.DEFAULT_TARGET_BYTES)
+    ap.add_argument("--seed", type=int, default=100)
+    ap.add_argument("--check", type=int, default=10, help="compare every N-th request's ids (0: never)")
+    ap.add_argument("--quick", action="store_true", help="P = 1, 4; 1 pass of 12 turns")
+    ap.add_argument("--tokenizer-dir", type=Path, default=None)
+    ap.add_argument("--out-dir", type=Path, default=HERE / "out")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.procs, args.passes, args.turns = "1,4", 1, 12
+    args.proc_list = [int(x) for x in args.procs.split(",")]
+    args.contender_list = [c for c in args.contenders.split(",") if c]
+    unknown = set(args.contender_list) - set(CONTENDERS)
+    if unknown:
+        ap.error(f"unknown contenders {sorted(unknown)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from tokcache.sidecar.bundled import qwen3_dir
+
+    tok_dir = (args.tokenizer_dir or qwen3_dir()).resolve()
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    res: dict[str, Any] = {
+        "benchmark": "concurrency",
+        "config": {"procs": args.proc_list, "passes": args.passes, "turns": args.turns,
+                   "target_bytes": args.target_bytes, "tokenizer_dir": str(tok_dir), "seed": args.seed},
+        "environment": {"python": platform.python_version(), "cpus": os.cpu_count(),
+                        "loadavg_at_start": list(os.getloadavg())},
+        "runs": {},
+    }
+    code = 0
+    for procs in args.proc_list:
+        for name in args.contender_list:
+            print(f"P={procs:>2} {name} ...", file=sys.stderr, flush=True)
+            r = run_one(name, procs, args, tok_dir)
+            res["runs"].setdefault(str(procs), {})[name] = r
+            if r["status"] == "ok":
+                print(f"   {r['req_per_s']:8.1f} req/s  p50 {r['p50_us']:8.0f} µs  p99 {r['p99_us']:8.0f} µs"
+                      f"  ({r['requests']} requests, {r['mismatches']} mismatches)", file=sys.stderr, flush=True)
+                code |= bool(r["mismatches"])
+            else:
+                print(f"   {r['status']}: {r['reason']}", file=sys.stderr, flush=True)
+                code |= r["status"] == "failed"
+    ratios: dict[str, dict[str, float]] = {}
+    for procs, runs in res["runs"].items():
+        def rps(n: str, runs: dict[str, Any] = runs) -> float | None:
+            r = runs.get(n)
+            return r["req_per_s"] if r and r["status"] == "ok" else None
+        for num, den in (("tokcache", "fastokens+seg"), ("tokcache", "fastokens"), ("tokcache", "smg"),
+                         ("tokcache-rpc", "smg"), ("tokcache", "tokcache-rpc")):
+            a, b = rps(num), rps(den)
+            if a and b:
+                ratios.setdefault(procs, {})[f"{num}/{den} req/s"] = a / b
+    res["ratios"] = ratios
+    path = args.out_dir / "concurrency.json"
+    path.write_text(json.dumps(res, indent=1))
+    print_report(res)
+    png = plot(res, args.out_dir / "concurrency.png")
+    print(f"\nwrote {path}" + (f" and {png}" if png else ""))
+    return int(code)
+
+
+def print_report(res: dict[str, Any]) -> None:
+    cfg = res["config"]
+    print(f"\n== concurrency: P client processes x {cfg['passes']} conversations x {cfg['turns']} turns "
+          f"(~{cfg['target_bytes'] / 1000:.0f} KB at the last turn), {res['environment']['cpus']} CPUs ==")
+    names = sorted({n for runs in res["runs"].values() for n in runs}, key=CONTENDERS.index)
+    print(f"{'P':>3}  " + "".join(f"{n:>30}" for n in names))
+    for procs, runs in res["runs"].items():
+        cells = []
+        for n in names:
+            r = runs.get(n)
+            if not r or r["status"] != "ok":
+                cells.append(f"{(r or {}).get('status', '-'):>30}")
+            else:
+                cells.append(f"{r['req_per_s']:>9.0f}/s {r['p50_us']:>7.0f}/{r['p99_us']:>7.0f}µs")
+        print(f"{procs:>3}  " + "".join(cells))
+    print("  (req/s over the run; p50/p99 latency per request)")
+    for procs, rs in res["ratios"].items():
+        print(f"P={procs}: " + ", ".join(f"{k} {v:.2f}" for k, v in rs.items()))
+
+
+def plot(res: dict[str, Any], path: Path) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(8, 5))
+    procs = [int(p) for p in res["runs"]]
+    names = sorted({n for runs in res["runs"].values() for n in runs}, key=CONTENDERS.index)
+    for n in names:
+        ys = [res["runs"][str(p)].get(n, {}).get("req_per_s") for p in procs]
+        xs = [p for p, y in zip(procs, ys, strict=True) if y]
+        ax.plot(xs, [y for y in ys if y], marker="o", label=n)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(procs, [str(p) for p in procs])
+    ax.set_xlabel("client processes")
+    ax.set_ylabel("requests per second (all processes)")
+    ax.set_title(f"agent chats to ~{res['config']['target_bytes'] / 1000:.0f} KB, {res['environment']['cpus']} CPUs")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,479 @@
+"""Tokenize in the caller's process: the sidecar's segment mapped read-only, the shared lookup.
+
+The sidecar owns a POSIX shared-memory segment per tokenizer and publishes in it what a
+reader needs (the encoder backend it proved exact, the safe boundary tokens, the
+affixes: the *manifest*). A process on the same node maps that segment read-only, builds
+the same :class:`~tokcache.engine.lookup.ReadModel` from its own copy of
+``tokenizer.json`` (checked against the segment's fingerprint) and runs the same
+:class:`~tokcache.engine.lookup.Lookup` the sidecar runs for ``Tokenize``: a hit costs
+hashing, a few index probes, the chain records this process does not already hold, and
+encoding the new tail — no RPC, no sidecar CPU, no deadline to miss.
+
+What a read learned (the new prompt's entries) is stored after the reply by a background
+writer (:class:`WriteBehind`): directly under the segment's writer lock when this process
+may write the segment (a process that can map it writable could write anything into it
+anyway, so this adds no trust), else by asking the sidecar to tokenize the text itself
+(a ``Tokenize`` RPC whose reply nobody waits for). Recorded outputs (AR) are only ever
+written by the sidecar, after it verified them.
+
+Anything that makes the segment unusable here — another IPC namespace, no shared
+``/dev/shm``, permissions, another layout or tokenizer, a manifest that cannot be used,
+no local ``tokenizer.json`` — raises :class:`LocalUnavailable` with a reason label;
+the client logs it once and uses the RPC path. A segment replaced under its name (a
+sidecar restarted with another size) is noticed within ``recheck_s`` and re-attached.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sidecar_client._models import CacheDecision, TokenizeResult
+from sidecar_client._telemetry import trace_local
+from sidecar_client.errors import InvalidArgumentError, ResourceExhaustedError
+from tokcache.engine.errors import InvalidRequest, RequestTooLarge
+from tokcache.engine.ids import LISTS, Chunks
+from tokcache.engine.lookup import Limits, Lookup, PendingWrite, ReadModel, Result, commit, utf8
+from tokcache.engine.memo import ChainMemo
+from tokcache.engine.tokenizer import Manifest, ManifestMismatch, from_manifest
+from tokcache.store import Kind, SegmentError, SegmentMismatch, Store, StoreError, StoreReader
+from tokcache.store._layout import RETIRED_MARK, W_RETIRED
+
+__all__ = ["LocalModel", "LocalPaths", "LocalStats", "LocalUnavailable", "WriteBehind", "find_tokenizer_json",
+           "shm_prefix_from_env"]
+
+log = logging.getLogger("sidecar_client.local")
+
+RECHECK_S = 1.0  # how often a mapping is checked against the name (replaced?) and the manifest
+WRITE_QUEUE = 256  # pending writes a process holds at most; more are dropped (counted)
+WAIT_RELATED_S = 0.05  # how long a request waits for its conversation's pending write
+
+
+class LocalUnavailable(Exception):
+    """The in-process path cannot be used for a model; ``reason`` is a short label."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass
+class LocalStats:
+    """What the in-process path did, since the client was made (label values as keys).
+
+    - ``tokenize``: requests answered in-process, by decision source (miss, l0, l1, ar)
+    - ``fallbacks``: requests sent over RPC instead, by reason (no_segment, ...)
+    - ``writes``: write-behind outcomes: stored, refused (parent gone, full), learned
+      (sent to the sidecar to store), dropped (queue full), failed (store or RPC error)
+    """
+
+    tokenize: Counter[str] = field(default_factory=Counter)
+    fallbacks: Counter[str] = field(default_factory=Counter)
+    writes: Counter[str] = field(default_factory=Counter)
+
+    def snapshot(self) -> dict[str, dict[str, int]]:
+        return {"tokenize": dict(self.tokenize), "fallbacks": dict(self.fallbacks), "writes": dict(self.writes)}
+
+
+Learn = Callable[[str, str, str, str], None]
+"""learn(model, text, salt, mode): ask the sidecar to tokenize (and so store) ``text``; must not block long."""
+
+
+class WriteBehind:
+    """Stores pending writes in a background thread, oldest first; bounded; never raises.
+
+    ``store`` (writable) takes the writes directly; without one, ``learn`` sends each
+    text to the sidecar instead. The thread starts on the first write and ends with
+    :meth:`close` (or with the process: it is a daemon).
+    """
+
+    def __init__(self, model: str, store: Store | None, memo: ChainMemo[Chunks], learn: Learn | None,
+                 stats: LocalStats, bound: int = WRITE_QUEUE) -> None:
+        self._model = model
+        self._store = store
+        self._memo = memo
+        self._learn = learn
+        self._stats = stats
+        self._bound = bound
+        self._queue: queue.SimpleQueue[tuple[PendingWrite[Chunks], str, str, str] | None] = queue.SimpleQueue()
+        # Guards _thread, _pending (writes offered and not yet done) and _texts (their texts,
+        # UTF-8, in offer order: a request that extends one of them waits for it).
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._pending = 0
+        self._texts: list[bytes] = []
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    @property
+    def direct(self) -> bool:
+        """True when writes go straight into the segment (else through the sidecar)."""
+        return self._store is not None
+
+    @property
+    def idle(self) -> bool:
+        """True when no write is queued or in progress."""
+        return self._pending == 0
+
+    def offer(self, write: PendingWrite[Chunks], text: str, salt: str, mode: str) -> bool:
+        """Queue a write; False (counted as dropped) when the queue is full or closed."""
+        with self._lock:
+            if self._closed or self._pending >= self._bound or (self._store is None and self._learn is None):
+                self._stats.writes["dropped"] += 1
+                return False
+            self._pending += 1
+            self._texts.append(write.keys.data)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="tokcache-write-behind", daemon=True)
+                self._thread.start()
+        self._queue.put((write, text, salt, mode))
+        return True
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every write offered so far is done; False on timeout."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._pending == 0, timeout)
+
+    def wait_related(self, data: bytes, timeout: float) -> bool:
+        """Read your writes: wait (at most ``timeout``) while a pending write's text is a
+        prefix of ``data`` — the previous turn of the same conversation, whose entries the
+        lookup is about to search for. Unrelated requests never wait. False on timeout."""
+        def related() -> bool:
+            return any(data.startswith(t) for t in self._texts)
+
+        if not self._pending:
+            return True
+        with self._idle:
+            return self._idle.wait_for(lambda: not related(), timeout)
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            write, text, salt, mode = item
+            try:
+                self._write(write, text, salt, mode)
+            except Exception:  # never let one write end the thread
+                log.exception("tokcache: write-behind failed")
+                self._stats.writes["failed"] += 1
+            finally:
+                with self._idle:
+                    self._pending -= 1
+                    self._texts.pop(0)
+                    self._idle.notify_all()
+
+    def _write(self, write: PendingWrite[Chunks], text: str, salt: str, mode: str) -> None:
+        if self._store is not None:
+            try:
+                ref = commit(self._store, self._memo, write)
+            except StoreError as exc:
+                self._stats.writes["failed"] += 1
+                log.debug("tokcache: write-behind store error: %s", exc)
+                return
+            self._stats.writes["stored" if ref is not None else "refused"] += 1
+            return
+        assert self._learn is not None
+        self._learn(self._model, text, salt, mode)
+        self._stats.writes["learned"] += 1
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Write what is queued (at most ``timeout`` s), stop the thread. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            thread = self._thread
+        if thread is not None:
+            self.flush(timeout)
+            self._queue.put(None)
+            thread.join(timeout)
+
+
+def find_tokenizer_json(*candidates: str | Path | None) -> Path | None:
+    """The first candidate that is a tokenizer.json file or a directory holding one."""
+    for c in candidates:
+        if not c:
+            continue
+        p = Path(c)
+        if p.is_dir():
+            p = p / "tokenizer.json"
+        if p.is_file():
+            return p
+    return None
+
+
+class LocalModel:
+    """One model's in-process read path. Thread-safe; close when done.
+
+    Create with :meth:`open`. :meth:`tokenize` returns None when the mapping went stale
+    (the segment was replaced, or its manifest changed): the caller opens a new one.
+    """
+
+    def __init__(self, name: str, reader: StoreReader, manifest_raw: bytes, model: ReadModel, limits: Limits,
+                 writer: WriteBehind, memo: ChainMemo[Chunks], writable: Store | None) -> None:
+        self.name = name
+        self.reader = reader
+        self.model = model
+        self.fingerprint = model.fingerprint
+        self.memo = memo
+        self.lookup: Lookup[Chunks] = Lookup(model, reader, memo, limits)
+        self.writer = writer
+        self._writable = writable
+        self._manifest_raw = manifest_raw
+        self._words = reader._words  # the header words: W_RETIRED is checked on every request
+        self._checked = time.monotonic()
+        self._stale = False
+
+    @classmethod
+    def open(cls, name: str, shm_name: str, *, tokenizer_json: Path | None, fingerprint: str | None = None,
+             writable: bool = True, learn: Learn | None = None, stats: LocalStats | None = None,
+             encoder: Any = None) -> LocalModel:
+        """Map ``shm_name`` and build the read path for model ``name``.
+
+        ``tokenizer_json``: this process's copy of the tokenizer (its fingerprint must be
+        the segment's). ``writable``: try to store learned entries directly (else through
+        ``learn``). Raises LocalUnavailable with the reason.
+        """
+        stats = stats or LocalStats()
+        if tokenizer_json is None:
+            raise LocalUnavailable("no_tokenizer", f"model {name!r}: no local tokenizer.json to encode with "
+                                                   "(pass tokenizers={...} to the client)")
+        try:
+            reader = StoreReader.attach_name(shm_name)
+        except SegmentMismatch as exc:
+            raise LocalUnavailable("segment_mismatch", f"segment {shm_name}: {exc}") from exc
+        except (SegmentError, ValueError) as exc:
+            raise LocalUnavailable("no_segment", f"segment {shm_name} cannot be mapped here: {exc}") from exc
+        try:
+            if fingerprint is not None and reader.fingerprint != fingerprint:
+                raise LocalUnavailable("fingerprint", f"segment {shm_name} holds tokenizer {reader.fingerprint}, "
+                                                      f"the sidecar's model {name!r} is {fingerprint}")
+            raw = reader.manifest()
+            if raw is None:
+                raise LocalUnavailable("no_manifest", f"segment {shm_name} has no manifest (an older sidecar, or "
+                                                      "it is still loading)")
+            try:
+                manifest = Manifest.from_bytes(raw)
+                model = from_manifest(tokenizer_json, manifest, encoder=encoder)
+            except ManifestMismatch as exc:
+                raise LocalUnavailable("manifest", f"segment {shm_name}: {exc}") from exc
+            except (OSError, ValueError) as exc:
+                raise LocalUnavailable("tokenizer", f"model {name!r}: cannot load {tokenizer_json}: {exc}") from exc
+            limits = Limits(max_text_bytes=manifest.max_text_bytes)
+            memo: ChainMemo[Chunks] = ChainMemo(LISTS)
+            store = None
+            if writable:
+                ttl = {Kind.L0: manifest.ttl.get("l0", 0.0), Kind.L1: manifest.ttl.get("l1", 0.0),
+                       Kind.AR: manifest.ttl.get("ar", 0.0)}
+                try:
+                    store = Store.attach(shm_name, fingerprint=reader.fingerprint, ttl=ttl)
+                except StoreError as exc:
+                    log.info("tokcache: segment %s is not writable here (%s); learned entries go to the sidecar",
+                             shm_name, exc)
+            writer = WriteBehind(name, store, memo, learn, stats)
+            return cls(name, reader, raw, model, limits, writer, memo, store)
+        except BaseException:
+            reader.close()
+            raise
+
+    @property
+    def stale(self) -> bool:
+        """True once the segment was replaced or its manifest changed (checked every RECHECK_S)."""
+        if self._stale:
+            return True
+        if self._words[W_RETIRED] == RETIRED_MARK:
+            self._stale = True
+        else:
+            now = time.monotonic()
+            if now - self._checked >= RECHECK_S:
+                self._checked = now
+                self._stale = self.reader.replaced or self.reader.manifest() != self._manifest_raw
+        return self._stale
+
+    def tokenize(self, text: str, *, add_special_tokens: bool, salt: str, mode: str) -> Result[list[int]] | None:
+        """Ids of ``text`` decided in this process, or None when the mapping is stale.
+
+        Raises the engine's InvalidRequest / RequestTooLarge for bad input, like the RPC.
+        The learned entries are queued for the write-behind before returning.
+        """
+        if self.stale:
+            return None
+        data = utf8(text)
+        # The previous turn's entries may still be on their way to the segment: a request
+        # that extends it waits for them (~0.1-0.3 ms of work) rather than missing them.
+        self.writer.wait_related(data, WAIT_RELATED_S)
+        result = self.lookup.tokenize_utf8(data, len(text), add_special_tokens=add_special_tokens, salt=salt,
+                                           mode=mode)
+        if result.write is not None:
+            self.writer.offer(result.write, text, salt, mode)
+        return result
+
+    def close(self) -> None:
+        """Write what is queued, unmap. Idempotent; no tokenize may run concurrently."""
+        self.writer.close()
+        if self._writable is not None:
+            self._writable.close()
+            self._writable = None
+        self.reader.close()
+
+
+def shm_prefix_from_env() -> str:
+    """``$TOKCACHE_SHM_PREFIX`` or the sidecar's default prefix."""
+    return os.environ.get("TOKCACHE_SHM_PREFIX") or "tokcache"
+
+
+RETRY_S = 5.0  # after a failed attach, how long requests go over RPC before trying again
+
+
+class LocalPaths:
+    """A client's in-process read paths, one per model; no RPC of its own (sans I/O).
+
+    The client gives it what it learns over RPC (:meth:`set_models`: the sidecar's
+    ``ListModels``) and the tokenizer files it was told about; :meth:`get` returns the
+    model's LocalModel, or None (counted by reason; logged once per model and reason)
+    when the RPC path has to serve. Thread-safe.
+    """
+
+    def __init__(self, tokenizers: dict[str, str | Path] | None, *, writable: bool = True,
+                 learn: Learn | None = None, stats: LocalStats | None = None) -> None:
+        self.tokenizers = {k: Path(v) for k, v in (tokenizers or {}).items()}
+        self.writable = writable
+        self.learn = learn
+        self.stats = stats or LocalStats()
+        self._infos: dict[str, tuple[str, str, str, str]] = {}  # model -> (shm name, fp, model dir, mode)
+        self._models: dict[str, LocalModel] = {}
+        self._failed: dict[str, tuple[float, str]] = {}  # model -> (time of the next attempt, reason)
+        self._logged: set[tuple[str, str]] = set()
+        self._old: list[LocalModel] = []
+        # Guards _models/_failed/_infos/_logged/_old; tokenize runs outside it.
+        self._lock = threading.Lock()
+
+    def knows(self, model: str) -> bool:
+        """Whether the sidecar's facts about ``model`` are known (else: call set_models first)."""
+        return model in self._infos
+
+    def set_models(self, models: list[Any]) -> None:
+        """Take ``ListModels``' answer (``ModelInfo`` objects)."""
+        with self._lock:
+            for m in models:
+                self._infos[m.name] = (m.shm_name, m.fingerprint, m.model_dir, getattr(m, "default_mode", ""))
+
+    def available(self, model: str) -> bool:
+        """Whether a request for ``model`` would be answered in this process now (opens the
+        path on first use; False means the RPC path serves it)."""
+        return self.get(model) is not None
+
+    def default_mode(self, model: str) -> str:
+        """The sidecar's default mode (``--mode``) for requests that name none."""
+        info = self._infos.get(model)
+        return (info[3] if info else "") or "kv-stable"
+
+    def get(self, model: str) -> LocalModel | None:
+        """The model's in-process path, opening it on first use; None: use the RPC path."""
+        local = self._models.get(model)
+        if local is not None and not local.stale:
+            return local
+        with self._lock:
+            local = self._models.get(model)
+            if local is not None and not local.stale:
+                return local
+            if local is not None:  # replaced segment or new manifest: map the new one
+                del self._models[model]
+                self._old.append(local)  # closed with the client: a racing request may still use it
+            if time.monotonic() < self._failed.get(model, (0.0, ""))[0]:
+                return None
+            info = self._infos.get(model)
+            if info is None:  # not (yet) listed: the client asks ListModels again, at most once a second
+                self._failed[model] = (0.0, "unknown_model")
+                return None
+            shm_name, fingerprint, model_dir, _mode = info
+            if not shm_name:
+                self._fallback(model, "no_cache", f"the sidecar has no shared-memory cache for {model!r}")
+                return None
+            tokenizer_json = find_tokenizer_json(self.tokenizers.get(model), model_dir)
+            try:
+                local = LocalModel.open(model, shm_name, tokenizer_json=tokenizer_json, fingerprint=fingerprint,
+                                        writable=self.writable, learn=self.learn, stats=self.stats)
+            except LocalUnavailable as exc:
+                self._fallback(model, exc.reason, str(exc))
+                return None
+            self._models[model] = local
+            self._failed.pop(model, None)
+        log.info("tokcache: model %r is tokenized in this process from segment %s (%s writes, encoder %s)",
+                 model, shm_name, "direct" if local.writer.direct else "sidecar", local.model.encoder.name)
+        return local
+
+    def tokenize(self, model: str, text: str, *, add_special_tokens: bool | None, cache_salt: str | None,
+                 mode: str | None) -> TokenizeResult | None:
+        """The result decided in this process, or None (the RPC path serves; counted).
+
+        Bad input raises the client's typed errors, as the RPC would.
+        """
+        local = self.get(model)
+        if local is None:
+            self.count_fallback(model)
+            return None
+        mode = mode or self.default_mode(model)
+        t0 = time.perf_counter_ns()
+        try:
+            result = local.tokenize(text, add_special_tokens=True if add_special_tokens is None else add_special_tokens,
+                                    salt=cache_salt or "", mode=mode)
+        except InvalidRequest as exc:
+            raise InvalidArgumentError(str(exc), field=exc.field) from exc
+        except RequestTooLarge as exc:
+            raise ResourceExhaustedError(str(exc)) from exc
+        if result is None:  # stale mapping: the next request maps the new segment
+            self.stats.fallbacks["stale"] += 1
+            return None
+        d = result.decision
+        self.stats.tokenize[d.source] += 1
+        decision = CacheDecision(source=d.source, cached_tokens=d.cached_tokens, cached_chars=d.cached_chars,
+                                 encoded_chars=d.encoded_chars, ar_spliced_tokens=d.ar_spliced_tokens,
+                                 boundaries=d.boundaries, l1_disabled_reason=d.l1_disabled_reason)
+        out = TokenizeResult(token_ids=result.ids, fingerprint=local.fingerprint, decision=decision,
+                             backend=local.model.encoder.name, served_by="local")
+        trace_local(model, local.fingerprint, out, mode, bool(cache_salt), t0)
+        return out
+
+    def _fallback(self, model: str, reason: str, message: str) -> None:
+        """Lock held: RPC for ``model`` for RETRY_S; log once per (model, reason)."""
+        self._failed[model] = (time.monotonic() + RETRY_S, reason)
+        if (model, reason) not in self._logged:
+            self._logged.add((model, reason))
+            log.warning("tokcache: in-process reads off for model %r (%s): %s; using the sidecar's Tokenize RPC",
+                        model, reason, message)
+
+    def count_fallback(self, model: str) -> None:
+        """Count one request that went over RPC because the in-process path was unavailable."""
+        with self._lock:
+            reason = self._failed.get(model, (0.0, "unavailable"))[1]
+        self.stats.fallbacks[reason] += 1
+
+    @property
+    def idle(self) -> bool:
+        """True when no write is pending (a flush would return at once)."""
+        return all(local.writer.idle for local in list(self._models.values()))
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait for every model's pending writes (before a RecordOutput that chains to them)."""
+        ok = True
+        for local in list(self._models.values()):
+            ok = local.writer.flush(timeout) and ok
+        return ok
+
+    def close(self) -> None:
+        """Write what is pending and unmap every segment. Idempotent."""
+        with self._lock:
+            models, self._models = [*self._models.values(), *self._old], {}
+            self._old = []
+        for local in models:
+            local.close()

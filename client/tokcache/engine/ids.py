@@ -1,0 +1,170 @@
+"""How a process holds token ids: packed bytes (the sidecar) or ``list[int]`` (clients).
+
+The lookup decides the same way in every process; only the container its answer is
+built in differs. The sidecar answers gRPC, whose ``bytes`` field takes packed LE
+uint32 as is; a client hands vLLM (or any caller) a ``list[int]``, and building a list
+of 272k ints from bytes costs ~4.5 ms here, while copying a list costs ~0.75 ms. So a
+client keeps lists — as :class:`Chunks`, slices of lists it already holds, so that
+growing a conversation by a turn copies nothing — and copies once, into the list it
+hands its caller (:meth:`IdFormat.result`). The sidecar keeps bytes.
+
+Containers are never mutated: a memo entry refers to a prefix of one, and sharing is
+free.
+"""
+
+from __future__ import annotations
+
+from typing import Generic, Protocol, TypeVar
+
+from tokcache.ids import unpack_ids
+
+__all__ = ["BYTES", "LISTS", "BytesFormat", "Chunks", "IdFormat", "Ids", "ListFormat"]
+
+Ids = TypeVar("Ids", bytes, "Chunks")
+
+
+class IdFormat(Protocol, Generic[Ids]):
+    """Operations the lookup needs on one id container type."""
+
+    name: str
+
+    def from_u32(self, data: bytes) -> Ids:
+        """A new container holding packed LE uint32 ``data``."""
+        ...
+
+    def from_list(self, ids: list[int]) -> Ids:
+        """A new container holding ``ids`` (which it may keep: not to be mutated after)."""
+        ...
+
+    def count(self, ids: Ids) -> int:
+        """How many ids ``ids`` holds."""
+        ...
+
+    def grow(self, base: Ids, n: int, more: Ids) -> Ids:
+        """A container holding ``base[:n] + more`` (``base`` is left as it is)."""
+        ...
+
+    def result(self, ids: Ids, n: int, prefix: tuple[int, ...] = (), suffix: tuple[int, ...] = ()) -> Ids:
+        """What a caller gets: ``prefix + ids[:n] + suffix`` as a container it owns."""
+        ...
+
+    def to_u32(self, ids: Ids, n: int) -> bytes:
+        """The first ``n`` ids as packed LE uint32."""
+        ...
+
+
+class BytesFormat:
+    """Packed little-endian uint32 ``bytes`` (immutable: sharing is free)."""
+
+    name = "bytes"
+
+    def from_u32(self, data: bytes) -> bytes:
+        return bytes(data)
+
+    def from_list(self, ids: list[int]) -> bytes:
+        from tokcache.ids import pack_ids
+
+        return pack_ids(ids)
+
+    def count(self, ids: bytes) -> int:
+        return len(ids) // 4
+
+    def grow(self, base: bytes, n: int, more: bytes) -> bytes:
+        if not more:
+            return base if len(base) == 4 * n else base[: 4 * n]
+        return (base if len(base) == 4 * n else base[: 4 * n]) + more
+
+    def result(self, ids: bytes, n: int, prefix: tuple[int, ...] = (), suffix: tuple[int, ...] = ()) -> bytes:
+        body = ids if len(ids) == 4 * n else ids[: 4 * n]
+        if not prefix and not suffix:
+            return body
+        from tokcache.ids import pack_ids
+
+        return pack_ids(prefix) + body + pack_ids(suffix)
+
+    def to_u32(self, ids: bytes, n: int) -> bytes:
+        return ids if len(ids) == 4 * n else ids[: 4 * n]
+
+
+class Chunks:
+    """Ids as a chain of list slices: ``parts`` are (list, how many of its first ids), in order.
+
+    Growing a conversation appends a part; taking a prefix drops or shortens parts — no
+    id is copied until a caller gets its own list (:meth:`ListFormat.result`: one copy
+    of each part). Parts are never mutated once in a Chunks, so sharing is free.
+    """
+
+    __slots__ = ("parts", "n")
+
+    def __init__(self, parts: tuple[tuple[list[int], int], ...], n: int) -> None:
+        self.parts = parts
+        self.n = n
+
+    def take(self, k: int) -> Chunks:
+        """The first ``k`` ids (``k <= n``)."""
+        if k >= self.n:
+            return self
+        out: list[tuple[list[int], int]] = []
+        left = k
+        for ref, ln in self.parts:
+            if left <= 0:
+                break
+            out.append((ref, min(ln, left)))
+            left -= ln
+        return Chunks(tuple(out), k)
+
+    def __len__(self) -> int:
+        return self.n
+
+
+# Parts past which a container is flattened into one list (one copy, then short chains again).
+MAX_PARTS = 64
+
+
+class ListFormat:
+    """``list[int]`` for callers, kept as :class:`Chunks` (copied once, for each caller)."""
+
+    name = "list"
+
+    def from_u32(self, data: bytes) -> Chunks:
+        ids = unpack_ids(data)
+        return Chunks(((ids, len(ids)),) if ids else (), len(ids))
+
+    def from_list(self, ids: list[int]) -> Chunks:
+        return Chunks(((ids, len(ids)),) if ids else (), len(ids))
+
+    def count(self, ids: Chunks) -> int:
+        return ids.n
+
+    def grow(self, base: Chunks, n: int, more: Chunks) -> Chunks:
+        head = base.take(n)
+        parts = head.parts + more.parts
+        if len(parts) > MAX_PARTS:
+            flat = self.result(Chunks(parts, head.n + more.n), head.n + more.n)
+            return Chunks(((flat, len(flat)),), len(flat))
+        return Chunks(parts, head.n + more.n)
+
+    def result(self, ids: Chunks, n: int, prefix: tuple[int, ...] = (), suffix: tuple[int, ...] = ()) -> list[int]:
+        out = list(prefix)
+        left = n
+        for ref, ln in ids.parts:
+            if left <= 0:
+                break
+            take = min(ln, left)
+            if take == len(ref):
+                out += ref
+            else:
+                out += ref[:take]
+            left -= take
+        if suffix:
+            out.extend(suffix)
+        return out
+
+    def to_u32(self, ids: Chunks, n: int) -> bytes:
+        from tokcache.ids import pack_ids
+
+        return pack_ids(self.result(ids, n))
+
+
+BYTES = BytesFormat()
+LISTS = ListFormat()

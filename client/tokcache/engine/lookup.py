@@ -1,0 +1,515 @@
+"""Tokenize through the shared cache: find the hit, encode the tail, build the result.
+
+This is the one place a cache decision is made. The sidecar runs it on its read-write
+store for ``Tokenize`` RPCs; a client runs it on a read-only mapping of the same segment
+in its own process. Given the same segment contents and text, both take the same hit
+and return the same ids: nothing here depends on what a process happens to remember
+(memos only save copying bytes that are read anyway, never change hit or miss).
+
+For a text ``T`` with safe cuts ``c1 < … < cK`` (ends of boundary tokens):
+
+1. **find the hit** — L0: the whole of ``T``. Else L1: the longest cut whose prefix is
+   cached (gallop back from the last cut with index-only probes, binary-search the
+   bracket). Else, in kv-stable mode, a prefix AR entry (a recorded output) ending
+   where a later boundary token starts wins over the L1 cut.
+2. **encode the tail** — the text after the hit, one piece per remaining cut, in one
+   native call; in kv-stable mode a piece whose text is a recorded output is spliced
+   with the generated ids (segment AR).
+3. **build the result** — the hit's ids + the tail's, in the caller's container
+   (:mod:`tokcache.engine.ids`), and the new cache entries as a :class:`PendingWrite`:
+   data that whoever owns the write path stores after the reply.
+
+Correctness rests on: cuts only after added tokens that passed the boundary self-check,
+an encoder that passed the exactness gate, and a store that returns the ids put for a
+key or nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Generic, Protocol
+
+from tokcache.engine.affixes import Affixes
+from tokcache.engine.boundaries import BoundaryScanner
+from tokcache.engine.encoder import Encoder
+from tokcache.engine.errors import InvalidRequest, RequestTooLarge
+from tokcache.engine.ids import IdFormat, Ids
+from tokcache.engine.memo import ChainMemo
+from tokcache.ids import pack_ids, unpack_ids
+from tokcache.store import Kind, Known, RecordRef, StoreError, Walk
+from tokcache.store.keys import MODE_EXACT, MODE_KV_STABLE, TextKeys, segment_key
+
+__all__ = [
+    "CacheView",
+    "Decision",
+    "Limits",
+    "Lookup",
+    "PendingWrite",
+    "ReadModel",
+    "Result",
+    "mode_tag",
+    "utf8",
+]
+
+# Keys of the last cuts are computed in one pass (a turn adds ~4-12 cuts);
+# also how many shorter cuts are tried when a winner's chain is broken.
+TAIL_PROBES = 16
+# Segment AR: pieces shorter than this are not looked up; a recorded output
+# may start after at most this many leading newlines of a piece (role headers).
+MIN_SEGMENT_BYTES = 4
+_SEGMENT_HEADER_BYTES = 64
+_SEGMENT_MAX_STARTS = 3
+
+
+def utf8(text: str, field: str = "text") -> bytes:
+    """``text`` as UTF-8; InvalidRequest naming ``field`` for a lone surrogate."""
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequest(field, f"not valid Unicode at index {exc.start} (a lone surrogate)") from exc
+
+
+def mode_tag(mode: str) -> bytes:
+    """The key namespace of a mode name ("exact" or "kv-stable")."""
+    if mode == "exact":
+        return MODE_EXACT
+    if mode == "kv-stable":
+        return MODE_KV_STABLE
+    raise InvalidRequest("mode", f"expected 'kv-stable' or 'exact', got {mode!r}")
+
+
+class CacheView(Protocol):
+    """What the lookup reads of a segment: ``Store`` (read-write) or ``StoreReader``."""
+
+    def contains(self, key: bytes) -> bool: ...
+    def slot(self, key: bytes) -> tuple[int, int] | None: ...
+    def holds_ar(self) -> bool: ...
+    def read(self, key: bytes, known: Known | None = None) -> Walk | None: ...
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Request size limits; over them a request is refused (RESOURCE_EXHAUSTED)."""
+
+    max_text_bytes: int = 8 << 20
+    max_messages: int = 10_000
+
+
+@dataclass(frozen=True)
+class ReadModel:
+    """What the read side needs of one tokenizer (see ``tokcache.engine.model``)."""
+
+    fingerprint: str
+    encoder: Encoder
+    scanner: BoundaryScanner
+    affixes: Affixes
+    l1_disabled_reason: str
+    vocab_size: int
+    # The ids of the boundary tokens: in a tail encoded in one call, each cut is right
+    # after one of them (an added token always encodes to exactly its own id).
+    boundary_ids: frozenset[int] = frozenset()
+
+
+@dataclass
+class Decision:
+    """How the ids of one request were produced (mirrors the proto CacheDecision)."""
+
+    source: str = "miss"  # miss | l0 | l1 | ar
+    cached_tokens: int = 0
+    cached_chars: int = 0
+    encoded_chars: int = 0
+    ar_spliced_tokens: int = 0
+    boundaries: int = 0
+    l1_disabled_reason: str = ""
+    # Per-layer lookup results (None: layer not consulted), for metrics.
+    l0_hit: bool | None = None
+    l1_hit: bool | None = None
+    ar_prefix_hit: bool | None = None
+    segment_splices: int = 0
+    cached_bytes: int = 0
+    encoded_bytes: int = 0
+    stored: bool | None = None
+    store_errors: int = 0
+    # Phase -> (perf_counter_ns start, end), for trace child spans.
+    timings: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+
+@dataclass
+class PendingWrite(Generic[Ids]):
+    """The cache entries a lookup learned, to be stored after the reply.
+
+    One record: ``ids`` (the tail's ids) continuing ``parent``'s
+    ``parent_tokens`` tokens, with the L1 keys of cuts ``first_new..n-1`` (``ends``: the
+    tokens of ``ids`` up to each) and the L0 key of the whole text. ``full`` holds the
+    whole text's raw ids (the container a memo may keep once the record exists).
+    """
+
+    parent: bytes | None
+    parent_tokens: int
+    ids: list[int]
+    keys: TextKeys
+    first_new: int
+    n_cuts: int
+    ends: list[int] | None  # tokens of ``ids`` after each piece; None: found from boundary_ids
+    full: Ids
+    decision: Decision
+    boundary_ids: frozenset[int] = frozenset()
+
+    def entries(self) -> list[tuple[bytes, int] | tuple[bytes, int, Kind]]:
+        """(key, ids used) per new cut, and the L0 key (its own kind: ``--ttl-l0`` applies).
+
+        Runs on the write path (after the reply): computing the cut keys and where each
+        cut falls in ``ids`` costs nothing on the request path.
+        """
+        ends = self.ends
+        if ends is None:
+            marks = self.boundary_ids
+            ends = [k + 1 for k, t in enumerate(self.ids) if t in marks]
+            ends.append(len(self.ids))
+        out: list[tuple[bytes, int] | tuple[bytes, int, Kind]] = []
+        if len(ends) == self.n_cuts - self.first_new + 1:  # else only the L0 key (cannot happen)
+            self.keys.fill(self.first_new, self.n_cuts)
+            out += [(self.keys.key(i), ends[k]) for k, i in enumerate(range(self.first_new, self.n_cuts))]
+        out.append((self.keys.exact_key(), len(self.ids), Kind.L0))
+        return out
+
+    @property
+    def exact_key(self) -> bytes:
+        return self.keys.exact_key()
+
+
+@dataclass
+class Result(Generic[Ids]):
+    """The ids of one request (a container the caller owns), how, and what to store."""
+
+    ids: Ids
+    decision: Decision
+    write: PendingWrite[Ids] | None = None
+
+
+@dataclass
+class _Hit(Generic[Ids]):
+    """Step 1's answer: the cached prefix (``ids[:tokens]``), where the text after it
+    starts, and what the new record would chain to."""
+
+    ids: Ids | None
+    tokens: int
+    start: int  # byte offset of the tail
+    parent: bytes | None
+    first_new: int  # index of the first cut not covered by the prefix
+    exact: bool = False
+
+
+@dataclass
+class _Tail:
+    """Step 2's answer: the tail's ids, the tokens after each piece (None: not computed),
+    spliced AR tokens."""
+
+    ids: list[int]
+    ends: list[int] | None
+    spliced: int
+
+
+class Lookup(Generic[Ids]):
+    """Tokenize through one segment. Thread-safe; one per (model, process)."""
+
+    def __init__(self, model: ReadModel, store: CacheView | None, memo: ChainMemo[Ids],
+                 limits: Limits | None = None) -> None:
+        self.model = model
+        self.store = store
+        self.memo = memo
+        self.fmt: IdFormat[Ids] = memo.fmt
+        self.limits = limits or Limits()
+
+    # -- the request path ----------------------------------------------------------------
+
+    def tokenize(self, text: str, *, add_special_tokens: bool, salt: str = "", mode: str = "kv-stable") -> Result[Ids]:
+        """Ids of ``text`` (== HF tokenizers ``encode(text, add_special_tokens)`` in exact
+        mode; recorded output ids win in kv-stable mode), via the cache.
+
+        Raises InvalidRequest (lone surrogates, unknown mode) and RequestTooLarge. A
+        failing store degrades to plain encoding; it never fails the request. Nothing is
+        written: the caller stores ``Result.write`` (if any) after answering.
+        """
+        return self.tokenize_utf8(utf8(text), len(text), add_special_tokens=add_special_tokens, salt=salt, mode=mode)
+
+    def tokenize_utf8(self, data: bytes, n_chars: int, *, add_special_tokens: bool, salt: str = "",
+                      mode: str = "kv-stable") -> Result[Ids]:
+        """:meth:`tokenize` of a text given as valid UTF-8 ``data`` of ``n_chars`` characters."""
+        if len(data) > self.limits.max_text_bytes:
+            raise RequestTooLarge("text", self.limits.max_text_bytes)
+        tag = mode_tag(mode)
+        affixes = self.model.affixes
+        decision = Decision(l1_disabled_reason=self.model.l1_disabled_reason)
+        if add_special_tokens and not affixes.separable:
+            # The post-processor does more than wrap raw ids: no cache for this request.
+            decision.l1_disabled_reason = f"add_special_tokens: {affixes.reason}"
+            decision.encoded_chars = n_chars
+            ids = self.fmt.from_list(self.model.encoder.encode_full(data.decode("utf-8")))
+            return Result(self.fmt.result(ids, self.fmt.count(ids)), decision)
+        t0 = time.perf_counter_ns()
+        scan = self.model.scanner.scan(data)
+        spans = scan.spans
+        decision.boundaries = len(spans)
+        keys = TextKeys(data, spans, salt, tag)
+        ns = keys.namespace()
+        if scan.base is not None:  # hash only what was appended to a text hashed before
+            keys = TextKeys(data, spans, salt, tag, scan.base.hashers.get(ns))  # type: ignore[arg-type]
+        store, ar = self._usable_store(tag, decision)
+        # One hashing pass: the L1 keys of the last cuts, the AR keys between them, the L0 key.
+        keys.scan_tail(len(spans) - TAIL_PROBES, ar=ar)
+        state = keys.last_cut_state()
+        if state is not None:
+            scan.hashers[ns] = state
+        hit = self._find_hit(store, keys, spans, ar, decision)
+        t1 = time.perf_counter_ns()
+        decision.timings["lookup"] = (t0, t1)
+        prefix, suffix = (affixes.prefix, affixes.suffix) if add_special_tokens else ((), ())
+        if hit.exact:
+            assert hit.ids is not None
+            self._account(decision, hit, data, n_chars)
+            return Result(self.fmt.result(hit.ids, hit.tokens, prefix, suffix), decision)
+        tail = self._encode_tail(store if ar else None, data, spans, hit, salt, tag)
+        decision.timings["encode"] = (t1, time.perf_counter_ns())
+        if tail.spliced:
+            decision.segment_splices = tail.spliced
+            decision.ar_spliced_tokens += tail.spliced
+            if decision.source in ("miss", "l1"):
+                decision.source = "ar"
+        self._account(decision, hit, data, n_chars)
+        more = self.fmt.from_list(tail.ids)
+        full = more if hit.ids is None else self.fmt.grow(hit.ids, hit.tokens, more)
+        n_full = hit.tokens + len(tail.ids)
+        write = None
+        if store is not None:
+            write = PendingWrite(hit.parent, hit.tokens, tail.ids, keys, hit.first_new, len(spans), tail.ends, full,
+                                 decision, self.model.boundary_ids)
+        return Result(self.fmt.result(full, n_full, prefix, suffix), decision, write)
+
+    # -- step 1: the hit -----------------------------------------------------------------
+
+    def _usable_store(self, tag: bytes, decision: Decision) -> tuple[CacheView | None, bool]:
+        """The store (None if it fails) and whether AR entries may exist for this mode."""
+        store = self.store
+        if store is None:
+            return None, False
+        try:
+            return store, tag == MODE_KV_STABLE and store.holds_ar()
+        except StoreError:
+            decision.store_errors += 1
+            return None, False
+
+    def _read(self, store: CacheView, key: bytes) -> tuple[Ids, int] | None:
+        """(container, tokens) of ``key``'s chain, reading only what the memo lacks.
+
+        A key of a record this process holds (it wrote or read it) costs an index probe:
+        the slot names the record, the chain's floor is still live, the memo has the ids.
+        """
+        slot = store.slot(key)
+        if slot is None:
+            return None
+        held = self.memo.held_key(slot[0], key)
+        if held is not None and held[2] >= slot[1]:
+            return held[0], held[1]
+        found = store.read(key, self.memo.known)
+        if found is None:
+            return None
+        if found.held is None:
+            ids = self.fmt.from_u32(found.rest)
+        elif found.rest:
+            ids = self.fmt.grow(found.held, found.held_tokens, self.fmt.from_u32(found.rest))
+        else:
+            ids = found.held  # the key's own record is held: nothing to read, nothing to copy
+        tokens = found.own.base + found.own.n
+        self.memo.put(found.own, ids, {key: found.own.n})
+        return ids, tokens
+
+    def _find_hit(self, store: CacheView | None, keys: TextKeys, spans: list[tuple[int, int]], ar: bool,
+                  decision: Decision) -> _Hit[Ids]:
+        n = len(spans)
+        if store is None:
+            return _Hit(None, 0, 0, None, 0)
+        try:
+            exact = self._read(store, keys.exact_key())
+            decision.l0_hit = exact is not None
+            if exact is not None:
+                decision.source = "l0"
+                return _Hit(exact[0], exact[1], -1, None, n, exact=True)
+            j, ids, tokens = self._longest(store, keys, n)
+            decision.l1_hit = j >= 0
+            hit: _Hit[Ids] = _Hit(ids, tokens, spans[j][1] if j >= 0 else 0, keys.key(j) if j >= 0 else None, j + 1)
+            if j >= 0:
+                decision.source = "l1"
+            if ar:
+                decision.ar_prefix_hit = False
+                for i in range(n - 1, j, -1):  # the longest recorded output past the L1 cut
+                    start = spans[i][0]
+                    if start < hit.start:
+                        break
+                    key = keys.ar_key(i)
+                    found = self._read(store, key)
+                    if found is not None:
+                        decision.ar_prefix_hit = True
+                        # Tokens gained over the L1 prefix: the recorded output (and the few
+                        # prompt tokens between the L1 cut and the output).
+                        decision.ar_spliced_tokens = found[1] - hit.tokens
+                        decision.source = "ar"
+                        return _Hit(found[0], found[1], start, key, i)
+            return hit
+        except StoreError:
+            decision.store_errors += 1
+            return _Hit(None, 0, 0, None, 0)
+
+    def _longest(self, store: CacheView, keys: TextKeys, n: int) -> tuple[int, Ids | None, int]:
+        """(cut index, container, tokens) of the longest cut whose prefix is cached, or (-1, None, 0).
+
+        Gallops back from the last cut (a turn adds a handful, a history rewrite many)
+        with index-only probes, binary-searches the bracket, and reads the chain of the
+        winner only; a winner whose chain turns out broken is skipped for the next
+        shorter present cut. Deterministic in the segment's contents.
+        """
+        hi = n - 1  # highest index that may be present
+        lo = -1  # known present (or -1)
+        step = 1
+        probe = n - 1
+        while probe > lo:
+            if store.contains(keys.key(probe)):
+                lo = probe
+                break
+            hi = probe - 1
+            probe = n - 1 - step
+            step *= 2
+        if lo < 0 and probe < 0 <= hi and store.contains(keys.key(0)):
+            lo = 0
+        if lo < 0:
+            return -1, None, 0
+        # Present at lo, absent at every probed index above it: binary search (lo, hi].
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if store.contains(keys.key(mid)):
+                lo = mid
+            else:
+                hi = mid - 1
+        for i in range(lo, max(-1, lo - TAIL_PROBES), -1):
+            found = self._read(store, keys.key(i))
+            if found is not None:
+                return i, found[0], found[1]
+        return -1, None, 0
+
+    # -- step 2: the tail ----------------------------------------------------------------
+
+    def _encode_tail(self, store: CacheView | None, data: bytes, spans: list[tuple[int, int]], hit: _Hit[Ids],
+                     salt: str, tag: bytes) -> _Tail:
+        """Encode ``data[hit.start:]`` piece by piece (body, boundary token), one native call;
+        with a store, splice recorded outputs (segment AR).
+
+        A body whose text — from its start, or after one of its first newlines (a role
+        header such as ``assistant\\n``) — is a recorded output is encoded as
+        ``encode(header) + recorded ids``.
+        """
+        encoder = self.model.encoder
+        if store is None and self.model.boundary_ids:
+            # The cuts are safe boundaries, so the tail encodes in one call; where each
+            # cut falls is found from the boundary ids on the write path, if ever needed.
+            return _Tail(encoder.encode(data[hit.start:].decode("utf-8")), None, 0)
+        pieces: list[tuple[bytes, bytes]] = []
+        a = hit.start
+        for s_i, e_i in spans[hit.first_new:]:
+            pieces.append((data[a:s_i], data[s_i:e_i]))
+            a = e_i
+        pieces.append((data[a:], b""))
+        splices: dict[int, tuple[int, bytes]] = {}
+        if store is not None:
+            for k, (body, _) in enumerate(pieces):
+                if len(body) < MIN_SEGMENT_BYTES:
+                    continue
+                for p in _segment_starts(body):
+                    try:
+                        found = store.read(segment_key(salt, tag, body[p:]))
+                    except StoreError:
+                        found = None
+                    if found is not None and found.held is None:
+                        splices[k] = (p, found.rest)
+                        break
+        if not splices:
+            if self.model.boundary_ids:
+                return _Tail(encoder.encode(data[hit.start:].decode("utf-8")), None, 0)
+            flat, ends = encoder.encode_pieces([(b + t).decode("utf-8") for b, t in pieces])
+            return _Tail(flat, ends, 0)
+        # Spliced pieces are encoded as two texts (header, token) around the recorded ids.
+        texts: list[str] = []
+        for k, (body, token) in enumerate(pieces):
+            if k in splices:
+                texts += [body[:splices[k][0]].decode("utf-8"), token.decode("utf-8")]
+            else:
+                texts.append((body + token).decode("utf-8"))
+        flat, ends = encoder.encode_pieces(texts)
+        out: list[int] = []
+        piece_ends: list[int] = []
+        prev = e = spliced = 0
+        for k in range(len(pieces)):
+            if k in splices:
+                ar_ids = unpack_ids(splices[k][1])
+                out += flat[prev:ends[e]]
+                out += ar_ids
+                out += flat[ends[e]:ends[e + 1]]
+                spliced += len(ar_ids)
+                prev = ends[e + 1]
+                e += 2
+            else:
+                out += flat[prev:ends[e]]
+                prev = ends[e]
+                e += 1
+            piece_ends.append(len(out))
+        return _Tail(out, piece_ends, spliced)
+
+    # -- step 3: the decision's figures --------------------------------------------------
+
+    @staticmethod
+    def _account(decision: Decision, hit: _Hit[Ids], data: bytes, n_chars: int) -> None:
+        if hit.exact:
+            decision.cached_tokens = hit.tokens
+            decision.cached_chars = n_chars
+            decision.cached_bytes = len(data)
+            return
+        tail_chars = len(data[hit.start:].decode("utf-8")) if hit.start else n_chars
+        if decision.source != "miss":
+            decision.cached_tokens = hit.tokens
+            decision.cached_chars = n_chars - tail_chars
+        decision.encoded_chars = tail_chars
+        decision.cached_bytes = hit.start
+        decision.encoded_bytes = len(data) - hit.start
+
+
+def commit(store: WriteView, memo: ChainMemo[Ids], write: PendingWrite[Ids]) -> RecordRef | None:
+    """Store a pending write: one record, its keys; remember its ids in ``memo``.
+
+    Returns the record, or None when the store refused it (parent gone, full) — the
+    result was served anyway. Raises StoreError when the store fails.
+    """
+    entries = write.entries()
+    ref = store.put(write.parent, write.parent_tokens, pack_ids(write.ids), entries, Kind.L1)
+    write.decision.stored = ref is not None
+    if ref is not None:
+        shift = ref.n - len(write.ids)  # > 0 when the store inlined the parent's ids
+        memo.put(ref, write.full, {e[0]: e[1] + shift for e in entries})
+    return ref
+
+
+class WriteView(Protocol):
+    """What :func:`commit` needs: ``Store.put``."""
+
+    def put(self, parent: bytes | None, parent_tokens: int, ids: bytes,
+            entries: Sequence[tuple[bytes, int] | tuple[bytes, int, Kind]], kind: Kind) -> RecordRef | None: ...
+
+
+def _segment_starts(piece: bytes) -> list[int]:
+    """Offsets where a recorded output may start in a piece: 0 and after early newlines."""
+    starts = [0]
+    pos = piece.find(b"\n", 0, _SEGMENT_HEADER_BYTES)
+    while pos >= 0 and len(starts) < _SEGMENT_MAX_STARTS:
+        starts.append(pos + 1)
+        pos = piece.find(b"\n", pos + 1, _SEGMENT_HEADER_BYTES)
+    return [s for s in starts if s < len(piece)]

@@ -1,0 +1,239 @@
+"""Reads in the caller's process, against a real sidecar: no RPC on a hit, same ids, clean fallbacks.
+
+Each test starts the real ``tokcache-sidecar`` on a unix socket and uses the real client.
+"In-process" is observed three ways: ``TokenizeResult.served_by``, the client's
+``stats()``, and the sidecar's own Tokenize counter on its Prometheus port (which must
+not move while the client reads locally).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import tokenizers
+
+from sidecar_client import AsyncSidecarClient, SidecarClient
+from tests.integration.sidecar_proc import SidecarProcess
+
+TURN = "<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _tokenize_rpcs(port: int) -> float:
+    """The sidecar's count of Tokenize RPCs (all codes), from its /metrics."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(float(m.group(1)) for m in
+               re.finditer(r'^tokcache_rpc_requests_total\{[^}]*method="Tokenize"[^}]*\} ([0-9.e+]+)$', text, re.M))
+
+
+def _conversation(turns: int) -> list[str]:
+    text, out = "<|im_start|>system\nYou are terse.<|im_end|>\n", []
+    for k in range(turns):
+        text += TURN.format(q=f"question {k}: " + "word " * (k * 7))
+        out.append(text)
+        text += f"answer {k}\n\n  with spaces\t{k}<|im_end|>\n"
+    return out
+
+
+@pytest.fixture
+def sidecar(tmp_path: Path, qwen3_path: Path, shm_prefix: str) -> Iterator[tuple[SidecarProcess, int]]:
+    port = _free_port()
+    proc = SidecarProcess(tmp_path, {"qwen3": qwen3_path}, shm_prefix, "--metrics-port", str(port)).start()
+    try:
+        yield proc, port
+    finally:
+        proc.stop()
+
+
+def test_a_conversation_is_read_in_process_with_no_rpc_and_the_rpc_ids(
+        sidecar: tuple[SidecarProcess, int], qwen3_path: Path) -> None:
+    proc, port = sidecar
+    ref = tokenizers.Tokenizer.from_file(str(qwen3_path / "tokenizer.json"))
+    texts = _conversation(8)
+    with SidecarClient(proc.address) as local, SidecarClient(proc.address, zero_rpc=False) as rpc:
+        local.tokenize("qwen3", text="warm up")  # one ListModels, then the segment is mapped
+        before = _tokenize_rpcs(port)
+        results = []
+        for text in texts:
+            r = local.tokenize("qwen3", text=text, add_special_tokens=False)
+            assert r.served_by == "local"
+            assert r.token_ids == ref.encode(text, add_special_tokens=False).ids
+            results.append(r)
+        assert _tokenize_rpcs(port) == before  # not one RPC for eight requests
+        assert [r.decision.source for r in results[1:]] == ["l1"] * 7  # each turn found the one before
+        assert local.flush(10)
+        # What the reads learned is in the segment: the RPC path finds it, with the same ids.
+        for text, r in zip(texts, results, strict=True):
+            again = rpc.tokenize("qwen3", text=text, add_special_tokens=False)
+            assert again.served_by == "sidecar" and again.decision.source == "l0"
+            assert again.token_ids == r.token_ids
+        stats = local.stats()
+        assert stats["tokenize"] == {"miss": 2, "l1": 7} and stats["writes"]["stored"] == 9
+
+
+def test_async_client_reads_in_process_too(sidecar: tuple[SidecarProcess, int], qwen3_path: Path) -> None:
+    import asyncio
+
+    proc, port = sidecar
+    ref = tokenizers.Tokenizer.from_file(str(qwen3_path / "tokenizer.json"))
+
+    async def main() -> None:
+        async with AsyncSidecarClient(proc.address) as c:
+            await c.tokenize("qwen3", text="warm up")
+            before = _tokenize_rpcs(port)
+            for text in _conversation(5):
+                r = await c.tokenize("qwen3", text=text, add_special_tokens=False)
+                assert r.served_by == "local" and r.token_ids == ref.encode(text, add_special_tokens=False).ids
+            assert _tokenize_rpcs(port) == before
+
+    asyncio.run(main())
+
+
+def test_chat_messages_and_prompt_text_still_go_to_the_sidecar(sidecar: tuple[SidecarProcess, int]) -> None:
+    proc, _ = sidecar
+    with SidecarClient(proc.address) as c:
+        r = c.tokenize("qwen3", messages=[{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                       return_prompt_text=True)
+        assert r.served_by == "sidecar" and r.prompt_text and r.prompt_text.endswith("assistant\n")
+        assert c.tokenize("qwen3", text=r.prompt_text, add_special_tokens=False).token_ids == r.token_ids
+
+
+def test_a_replaced_segment_is_noticed_and_mapped_again(tmp_path: Path, qwen3_path: Path, shm_prefix: str) -> None:
+    """A sidecar restarted with another --shm-size replaces the segment; the client follows."""
+    ref = tokenizers.Tokenizer.from_file(str(qwen3_path / "tokenizer.json"))
+    texts = _conversation(6)
+    first = SidecarProcess(tmp_path / "a", {"qwen3": qwen3_path}, shm_prefix)
+    (tmp_path / "a").mkdir()
+    first.start()
+    with SidecarClient(first.address) as c:
+        r0 = c.tokenize("qwen3", text=texts[0], add_special_tokens=False)
+        old = c._local.get("qwen3") if c._local is not None else None
+        assert r0.served_by == "local" and old is not None
+        first.stop()
+        second = SidecarProcess(tmp_path / "a", {"qwen3": qwen3_path}, shm_prefix)
+        second.cmd[second.cmd.index("--shm-size") + 1] = "48MiB"  # another size: the segment is replaced
+        second.start()
+        try:
+            assert old.stale  # retired by the new sidecar: never read again
+            for text in texts[1:]:
+                r = c.tokenize("qwen3", text=text, add_special_tokens=False)
+                assert r.token_ids == ref.encode(text, add_special_tokens=False).ids
+            new = c._local.get("qwen3") if c._local is not None else None
+            assert new is not None and new is not old and new.reader.size == 48 << 20
+            assert r.served_by == "local"
+        finally:
+            second.stop()
+
+
+def test_a_process_that_cannot_map_the_segment_uses_rpc_logged_once(
+        sidecar: tuple[SidecarProcess, int], tmp_path: Path) -> None:
+    """Another mount namespace with its own /dev/shm (as a container without a shared one)."""
+    proc, _ = sidecar
+    if subprocess.run(["unshare", "--mount", "true"], capture_output=True).returncode != 0:
+        pytest.skip("unshare --mount is not permitted here")
+    script = tmp_path / "client.py"
+    script.write_text(textwrap.dedent(f"""
+        import json, logging, sys
+        logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+        from sidecar_client import SidecarClient
+        with SidecarClient({proc.address!r}) as c:
+            served = [c.tokenize("qwen3", text="hello " * k).served_by for k in range(1, 6)]
+            print(json.dumps({{"served": served, "stats": c.stats()}}))
+    """))
+    cmd = ["unshare", "--mount", "sh", "-c",
+           f"mount -t tmpfs -o size=8m tmpfs /dev/shm && exec {sys.executable} {script}"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=Path.cwd(),
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["served"] == ["sidecar"] * 5
+    assert got["stats"]["fallbacks"].get("no_segment") == 5
+    assert out.stderr.count("in-process reads off for model 'qwen3' (no_segment)") == 1
+
+
+def test_without_a_local_tokenizer_the_rpc_path_serves(tmp_path: Path, qwen3_path: Path, shm_prefix: str) -> None:
+    """The sidecar's model directory is not reachable from the client (as in another container)."""
+    model = tmp_path / "model"
+    shutil.copytree(qwen3_path, model)
+    proc = SidecarProcess(tmp_path, {"qwen3": model}, shm_prefix).start()
+    try:
+        shutil.rmtree(model)  # loaded by the sidecar; gone for the client
+        with SidecarClient(proc.address) as c:
+            r = c.tokenize("qwen3", text="hello there")
+            assert r.served_by == "sidecar" and c.stats()["fallbacks"] == {"no_tokenizer": 1}
+        # Told where a copy is, the client reads in-process again.
+        with SidecarClient(proc.address, tokenizers={"qwen3": qwen3_path}) as c:
+            assert c.tokenize("qwen3", text="hello there").served_by == "local"
+    finally:
+        proc.stop()
+
+
+def test_another_tokenizer_file_is_refused_by_fingerprint(sidecar: tuple[SidecarProcess, int],
+                                                          llama32_path: Path) -> None:
+    proc, _ = sidecar
+    with SidecarClient(proc.address, tokenizers={"qwen3": llama32_path}) as c:
+        r = c.tokenize("qwen3", text="hello there", add_special_tokens=False)
+        assert r.served_by == "sidecar" and c.stats()["fallbacks"] == {"manifest": 1}
+
+
+def test_a_segment_the_client_may_not_write_is_read_and_learned_through_the_sidecar(
+        sidecar: tuple[SidecarProcess, int], tmp_path: Path, qwen3_path: Path) -> None:
+    """A client that may read the segment but not write it: reads in-process, learns via RPC.
+
+    The segment is handed to another owner with mode 0644 and the client runs without the
+    capabilities that let root ignore file modes (``setpriv``), so opening it for writing
+    fails as it would for a container running as another user.
+    """
+    proc, _ = sidecar
+    if shutil.which("setpriv") is None:
+        pytest.skip("setpriv (util-linux) is not installed")
+    prefix = proc.cmd[proc.cmd.index("--shm-prefix") + 1]
+    shm = next(p for p in Path("/dev/shm").iterdir() if p.name.startswith(prefix) and "." not in p.name)
+    os.chown(shm, 65534, 65534)
+    os.chmod(shm, 0o644)
+    script = tmp_path / "client.py"
+    script.write_text(textwrap.dedent(f"""
+        import json
+        from sidecar_client import SidecarClient
+        texts = {_conversation(4)!r}
+        with SidecarClient({proc.address!r}) as c:
+            served = [c.tokenize("qwen3", text=t, add_special_tokens=False).served_by for t in texts]
+            c.flush(10)
+            print(json.dumps({{"served": served, "stats": c.stats()}}))
+    """))
+    cmd = ["setpriv", "--inh-caps=-all", "--bounding-set=-all", "--", sys.executable, str(script)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["served"] == ["local"] * 4
+    assert got["stats"]["writes"].get("learned") == 4 and "stored" not in got["stats"]["writes"]
+    # The sidecar stored what the read-only client learned (the learn RPCs are fire-and-forget).
+    with SidecarClient(proc.address, zero_rpc=False) as c:
+        last = _conversation(4)[-1]
+        import time
+
+        for _ in range(50):
+            if c.tokenize("qwen3", text=last, add_special_tokens=False).decision.source == "l0":
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail("the sidecar never stored what the client learned")
