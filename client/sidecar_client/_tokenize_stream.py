@@ -15,7 +15,8 @@ A sidecar without ``TokenizeStream`` (UNIMPLEMENTED) turns streaming off.
 
 The caller's deadline holds on every path: the stream call is cancelled when it
 passes (a stream has one deadline for its whole life, not one per message, so the
-clients keep their own), a reply that arrives after it raises DeadlineExceeded as a
+clients keep their own: an alarm thread for the sync one, a timeout on the awaiting
+task for the async one), a reply that arrives after it raises DeadlineExceeded as a
 unary call's would, and a unary fallback gets only what is left of it.
 """
 
@@ -27,8 +28,8 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Coroutine, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
@@ -42,6 +43,7 @@ __all__ = ["AsyncTokenizeStream", "SyncTokenizeStream", "STREAM_METHOD", "reply_
 
 STREAM_METHOD = "/tokcache.v1.Tokenizer/TokenizeStream"
 _SERIALIZE = pb.TokenizeStreamRequest.SerializeToString
+T = TypeVar("T")
 _DESERIALIZE = pb.TokenizeStreamResponse.FromString
 
 
@@ -240,8 +242,6 @@ class AsyncTokenizeStream:
         self._metadata = tuple(metadata) or None
         self._call_obj: Any = None
         self._busy = False
-        # Set by the deadline timer when it cancelled the call in flight.
-        self._expired = False
         self.enabled = True
 
     async def send(self, plan: TokenizePlan, timeout: float | None,
@@ -276,49 +276,33 @@ class AsyncTokenizeStream:
         if self._call_obj is None:
             self._call_obj = self._method(metadata=self._metadata)
         call = self._call_obj
-        self._expired = False
-        # The call is cancelled at the deadline (as the sync alarm does) rather than this task:
-        # asyncio.timeout is 3.11+, and wait_for would wrap every request in a task of its own.
-        timer = None if deadline is None else asyncio.get_running_loop().call_later(
-            max(0.0, deadline - time.monotonic()), self._expire, call)
         try:
-            await call.write(request)
-            reply = await call.read()
+            reply = await _within(None if deadline is None else deadline - time.monotonic(),
+                                  _exchange(call, request))
+        except asyncio.TimeoutError as exc:  # the task was cancelled at the deadline, and with it the call
+            self._drop()
+            raise _late(time.monotonic() - deadline if deadline is not None else 0.0) from exc
         except grpc.RpcError as exc:
             self._drop()
-            if self._expired:
-                raise _late(time.monotonic() - deadline if deadline is not None else 0.0) from exc
             if _unimplemented(exc):
                 self.enabled = False
             raise StreamBroken(str(exc)) from exc
         except (asyncio.InvalidStateError, grpc.aio.UsageError) as exc:
             self._drop()  # the RPC finished between our check and the write ("RPC already finished")
-            if self._expired:
-                raise _late(time.monotonic() - deadline if deadline is not None else 0.0) from exc
             raise StreamBroken(str(exc)) from exc
-        except asyncio.CancelledError as exc:
+        except asyncio.CancelledError:
             self._drop()  # a reply may still be on its way: the stream is out of step
-            if self._expired and not _task_cancelled():
-                raise _late(time.monotonic() - deadline if deadline is not None else 0.0) from exc
             raise
-        finally:
-            if timer is not None:
-                timer.cancel()
         if reply is grpc.aio.EOF:
             self._drop()
             if await call.code() == grpc.StatusCode.UNIMPLEMENTED:  # the RPC ended before our read
                 self.enabled = False
             raise StreamBroken("the sidecar ended the stream")
-        if self._expired or (reply.WhichOneof("result") == "error" and reply.error.code == "UNAVAILABLE"):
-            self._drop()  # cancelled as the reply came in; or a draining sidecar ends the stream after it
+        if reply.WhichOneof("result") == "error" and reply.error.code == "UNAVAILABLE":
+            self._drop()  # a draining sidecar ends the stream after this reply
         if deadline is not None and time.monotonic() > deadline:
             raise _late(time.monotonic() - deadline)  # as a unary call's reply after its deadline
         return reply  # type: ignore[no-any-return]
-
-    def _expire(self, call: Any) -> None:
-        if call is self._call_obj:
-            self._expired = True
-            call.cancel()
 
     def _drop(self) -> None:
         if self._call_obj is not None:
@@ -329,9 +313,20 @@ class AsyncTokenizeStream:
         self._drop()
 
 
-def _task_cancelled() -> bool:
-    """Whether this task itself is being cancelled (3.11+ can tell; 3.10 cannot, so False)."""
-    if sys.version_info < (3, 11):
-        return False
-    task = asyncio.current_task()
-    return task is not None and task.cancelling() > 0
+async def _exchange(call: Any, request: pb.TokenizeStreamRequest) -> Any:
+    """One request and its reply on the stream ``call``."""
+    await call.write(request)
+    return await call.read()
+
+
+async def _within(timeout: float | None, step: Coroutine[Any, Any, T]) -> T:
+    """``await step``, cancelled after ``timeout`` seconds with asyncio.TimeoutError.
+
+    The task is cancelled, not only the call: a write on a call cancelled before its
+    headers went out waits for them forever (grpc.aio). asyncio.timeout (3.11+) adds no
+    task; 3.10 has only wait_for.
+    """
+    if sys.version_info >= (3, 11):
+        async with asyncio.timeout(timeout):
+            return await step
+    return await asyncio.wait_for(step, timeout)
