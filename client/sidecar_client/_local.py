@@ -41,7 +41,7 @@ from sidecar_client._telemetry import trace_local
 from sidecar_client.errors import InvalidArgumentError, ResourceExhaustedError
 from tokcache.engine.errors import InvalidRequest, RequestTooLarge
 from tokcache.engine.ids import LISTS, Chunks
-from tokcache.engine.lookup import Limits, Lookup, PendingWrite, ReadModel, Result, commit, utf8
+from tokcache.engine.lookup import Limits, Lookup, PendingWrite, ReadModel, Result, commit
 from tokcache.engine.memo import ChainMemo
 from tokcache.engine.tokenizer import Manifest, ManifestMismatch, from_manifest
 from tokcache.store import Kind, SegmentError, SegmentMismatch, Store, StoreError, StoreReader
@@ -105,11 +105,11 @@ class WriteBehind:
         self._bound = bound
         self._queue: queue.SimpleQueue[tuple[PendingWrite[Chunks], str, str, str] | None] = queue.SimpleQueue()
         # Guards _thread, _pending (writes offered and not yet done) and _texts (their texts,
-        # UTF-8, in offer order: a request that extends one of them waits for it).
+        # in offer order: a request that extends one of them waits for it).
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._pending = 0
-        self._texts: list[bytes] = []
+        self._texts: list[str] = []
         self._thread: threading.Thread | None = None
         self._closed = False
 
@@ -130,7 +130,7 @@ class WriteBehind:
                 self._stats.writes["dropped"] += 1
                 return False
             self._pending += 1
-            self._texts.append(write.keys.data)
+            self._texts.append(text)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="tokcache-write-behind", daemon=True)
                 self._thread.start()
@@ -142,12 +142,12 @@ class WriteBehind:
         with self._idle:
             return self._idle.wait_for(lambda: self._pending == 0, timeout)
 
-    def wait_related(self, data: bytes, timeout: float) -> bool:
+    def wait_related(self, text: str, timeout: float) -> bool:
         """Read your writes: wait (at most ``timeout``) while a pending write's text is a
-        prefix of ``data`` — the previous turn of the same conversation, whose entries the
+        prefix of ``text`` — the previous turn of the same conversation, whose entries the
         lookup is about to search for. Unrelated requests never wait. False on timeout."""
         def related() -> bool:
-            return any(data.startswith(t) for t in self._texts)
+            return any(text.startswith(t) for t in self._texts)
 
         if not self._pending:
             return True
@@ -307,12 +307,10 @@ class LocalModel:
         """
         if self.stale:
             return None
-        data = utf8(text)
         # The previous turn's entries may still be on their way to the segment: a request
         # that extends it waits for them (~0.1-0.3 ms of work) rather than missing them.
-        self.writer.wait_related(data, WAIT_RELATED_S)
-        result = self.lookup.tokenize_utf8(data, len(text), add_special_tokens=add_special_tokens, salt=salt,
-                                           mode=mode)
+        self.writer.wait_related(text, WAIT_RELATED_S)
+        result = self.lookup.tokenize(text, add_special_tokens=add_special_tokens, salt=salt, mode=mode)
         if result.write is not None:
             self.writer.offer(result.write, text, salt, mode)
         return result

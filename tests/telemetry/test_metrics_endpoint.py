@@ -61,7 +61,7 @@ def test_every_documented_metric_is_exposed_and_moves(sidecar: tuple[SidecarProc
     proc, port = sidecar
     before = _scrape(port)
     salt = uuid.uuid4().hex
-    with SidecarClient(proc.address) as c:
+    with SidecarClient(proc.address, zero_rpc=False) as c:  # the sidecar's own RPC metrics
         msgs = [{"role": "user", "content": "metrics " * 50}]
         r = c.tokenize("qwen3", messages=msgs, add_generation_prompt=True, cache_salt=salt, return_prompt_text=True)
         c.tokenize("qwen3", messages=msgs, add_generation_prompt=True, cache_salt=salt)

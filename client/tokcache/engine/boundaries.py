@@ -21,10 +21,11 @@ import functools
 import json
 import logging
 import re
+import sys
 import threading
 from bisect import bisect_left
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -113,22 +114,37 @@ _Trie = dict[int | None, "_Trie"]
 
 @dataclass(frozen=True, slots=True)
 class Scan:
-    """A scanned text: every added-token match (start, end, is_boundary), the boundary spans,
-    and the text it extended (``base_len`` bytes, 0: none). Shared: never mutate the lists.
+    """A scanned text: its boundary spans, and what the next scan of a text extending it needs.
+
+    ``data`` is the UTF-8 text (``text`` the str it came from, when scanned from one);
+    ``spans`` every boundary token's (start, end); ``tail`` the (start, end) of every
+    added-token match that starts within ``maxlen`` bytes of the end (a longer text may
+    match differently there), ``tail_from`` where that region starts and ``kept_end`` the
+    end of the last match that starts before it. ``base_len`` is the length of the text it
+    extended (0: none). Shared with the memo: read-only.
 
     ``hashers`` lets a reader keep, per key namespace, a hash state at some offset of this
     text, so the next text that extends it hashes only what it appended (see ``TextKeys``).
     """
 
     data: bytes
-    matches: list[tuple[int, int, bool]]
     spans: list[tuple[int, int]]
+    tail: list[tuple[int, int]]
+    tail_from: int
+    kept_end: int
     base_len: int = 0
+    text: str | None = None
     hashers: dict[bytes, tuple[int, object]] = field(default_factory=dict)
     base: Scan | None = None
 
-# Scan memo: texts remembered per process, grouped by a hash of their first bytes.
-_MEMO_TEXTS = 256
+    @property
+    def weight(self) -> int:
+        """Bytes this entry keeps alive (for the memo's budget)."""
+        return len(self.data) + (sys.getsizeof(self.text) if self.text is not None else 0)
+
+
+# Scan memo: recent texts, grouped by a hash of their first bytes, within a byte budget.
+_MEMO_BYTES = 64 << 20
 _MEMO_HEAD = 256
 _MEMO_PER_HEAD = 4
 
@@ -168,16 +184,17 @@ class BoundaryScanner:
     """
 
     def __init__(self, all_added: Sequence[str], boundary_tokens: Sequence[str], *,
-                 memo_texts: int = _MEMO_TEXTS) -> None:
+                 memo_bytes: int = _MEMO_BYTES) -> None:
         self._boundaries = frozenset(t.encode("utf-8") for t in boundary_tokens)
         words = {t.encode("utf-8") for t in all_added if t}
         self._pattern: re.Pattern[bytes] | None = _trie_pattern(words) if self._boundaries else None
         self._maxlen = max((len(w) for w in words), default=1)
-        # Recent texts and their matches, by a hash of their first bytes: a
-        # growing conversation rescans only what it appended. Guarded by _lock
-        # (the memo is shared by the threads of a process).
+        # Recent texts and their scans, by a hash of their first bytes: a growing
+        # conversation rescans (and re-encodes) only what it appended. Guarded by _lock
+        # (the memo is shared by the threads of a process); _bytes is its weight.
         self._memo: OrderedDict[int, list[Scan]] = OrderedDict()
-        self._memo_texts = memo_texts
+        self._memo_bytes = memo_bytes
+        self._bytes = 0
         self._lock = threading.Lock()
 
     @classmethod
@@ -193,14 +210,9 @@ class BoundaryScanner:
         """Offsets in ``data`` right after each boundary token, ascending."""
         return [end for _, end in self.spans(data)]
 
-    def _scan(self, data: bytes, pos: int) -> list[tuple[int, int, bool]]:
-        assert self._pattern is not None
-        boundaries = self._boundaries
-        return [(m.start(), m.end(), m.group() in boundaries) for m in self._pattern.finditer(data, pos)]
-
     def spans(self, data: bytes) -> list[tuple[int, int]]:
         """(start, end) offsets of each boundary token in ``data``, ascending (== a full scan)."""
-        return self.spans_and_base(data)[0]
+        return list(self.scan(data).spans)
 
     def spans_and_base(self, data: bytes) -> tuple[list[tuple[int, int]], int]:
         """(boundary spans of ``data`` (a copy), length of the recent text it extends, or 0)."""
@@ -208,46 +220,83 @@ class BoundaryScanner:
         return list(scan.spans), scan.base_len
 
     def scan(self, data: bytes) -> Scan:
-        """The boundary spans of ``data`` (== a full scan), and what it extends.
+        """The boundary spans of UTF-8 ``data`` (== a full scan), reusing a recent text it extends."""
+        if self._pattern is None:
+            return Scan(data, [], [], len(data), 0)
+        head = hash(data[:_MEMO_HEAD])
+        base = self._base(head, lambda c: len(c.data) <= len(data) and data.startswith(c.data))
+        return self._finish(head, data, base, None)
 
-        When a recent text is a prefix of ``data``, its matches are reused up to
-        ``maxlen - 1`` bytes before its end (no added token starting earlier can
-        reach past it) and only the rest is scanned. The result is shared with the
-        memo: read-only.
+    def scan_text(self, text: str) -> Scan:
+        """:meth:`scan` of ``text`` (its UTF-8 is ``Scan.data``): when a recent text scanned
+        from a str is a prefix, only what was appended is encoded to UTF-8 (for a long
+        conversation with non-ASCII text, encoding the whole of it costs ~1 ms per 800 KB).
+
+        Raises UnicodeEncodeError for a lone surrogate, as ``str.encode`` does.
         """
         if self._pattern is None:
-            return Scan(data, [], [])
-        head = hash(data[:_MEMO_HEAD])
-        base: Scan | None = None
-        with self._lock:
-            for cand in self._memo.get(head, ()):
-                if len(cand.data) <= len(data) and (base is None or len(cand.data) > len(base.data)) \
-                        and data.startswith(cand.data):
-                    base = cand
-        if base is None:
-            matches = self._scan(data, 0)
-            spans = [(a, b) for a, b, is_boundary in matches if is_boundary]
-            base_len = 0
+            data = text.encode("utf-8")
+            return Scan(data, [], [], len(data), 0, text=text)
+        head = hash(text[:_MEMO_HEAD].encode("utf-8")[:_MEMO_HEAD])
+        base = self._base(head, lambda c: c.text is not None and len(c.text) <= len(text)
+                          and text.startswith(c.text))
+        if base is not None and base.text is not None:
+            data = base.data + text[len(base.text):].encode("utf-8")
         else:
-            limit = len(base.data) - self._maxlen + 1
-            n_kept = bisect_left(base.matches, (limit,))
-            n_spans = bisect_left(base.spans, (limit,))
-            kept = base.matches[:n_kept]
-            new = self._scan(data, max(limit, kept[-1][1] if kept else 0, 0))
-            matches = kept + new
-            spans = base.spans[:n_spans] + [(a, b) for a, b, is_boundary in new if is_boundary]
-            base_len = len(base.data)
-        scan = Scan(data, matches, spans, base_len, base=base)
+            data = text.encode("utf-8")
+            base = self._base(head, lambda c: len(c.data) <= len(data) and data.startswith(c.data))
+        return self._finish(head, data, base, text)
+
+    def _base(self, head: int, extends: Callable[[Scan], bool]) -> Scan | None:
+        """The longest recent text with this head that ``extends`` accepts."""
+        with self._lock:
+            candidates = sorted(self._memo.get(head, ()), key=lambda c: len(c.data), reverse=True)
+        return next((c for c in candidates if extends(c)), None)
+
+    def _matches(self, data: bytes, pos: int) -> list[tuple[int, int, bool]]:
+        assert self._pattern is not None
+        boundaries = self._boundaries
+        return [(m.start(), m.end(), m.group() in boundaries) for m in self._pattern.finditer(data, pos)]
+
+    def _finish(self, head: int, data: bytes, base: Scan | None, text: str | None) -> Scan:
+        if base is None:
+            spans: list[tuple[int, int]] = []
+            kept_end = 0
+            new = self._matches(data, 0)
+        else:
+            # Matches that start before the base's tail region cannot change (no added token
+            # is longer than maxlen); the region itself is scanned again with the new text.
+            kept_end = base.kept_end
+            spans = base.spans[:bisect_left(base.spans, (base.tail_from,))]
+            new = self._matches(data, max(base.tail_from, kept_end))
+        spans += [(a, b) for a, b, is_boundary in new if is_boundary]
+        tail_from = max(0, len(data) - self._maxlen + 1)
+        tail: list[tuple[int, int]] = []
+        for a, b, _ in new:
+            if a < tail_from:
+                kept_end = b
+            else:
+                tail.append((a, b))
+        scan = Scan(data, spans, tail, tail_from, kept_end, len(base.data) if base is not None else 0, text,
+                    base=base)
         with self._lock:
             entries = self._memo.setdefault(head, [])
             self._memo.move_to_end(head)
             same = next((e for e in entries if len(e.data) == len(data) and e.data == data), None)
             if same is not None:
+                if same.text is None and text is not None:  # the str form helps the next scan_text
+                    entries[entries.index(same)] = scan
+                    self._bytes += scan.weight - same.weight
+                    return scan
                 return same
             entries.append(scan)
+            self._bytes += scan.weight
+            for old in entries[:-_MEMO_PER_HEAD]:
+                self._bytes -= old.weight
             del entries[:-_MEMO_PER_HEAD]
-            while len(self._memo) > self._memo_texts:
-                self._memo.popitem(last=False)
+            while self._bytes > self._memo_bytes and self._memo:
+                _, dropped = self._memo.popitem(last=False)
+                self._bytes -= sum(e.weight for e in dropped)
         if base is not None:  # one level is all a reader uses: do not keep a chain of old texts alive
             object.__setattr__(base, "base", None)
         return scan

@@ -151,8 +151,11 @@ class ListFormat:
             if left <= 0:
                 break
             take = min(ln, left)
-            if take == len(ref):
-                out += ref
+            extra = len(ref) - take
+            if extra <= take:
+                out += ref  # whole, then cut: one copy (a slice first would copy twice)
+                if extra:
+                    del out[-extra:]
             else:
                 out += ref[:take]
             left -= take

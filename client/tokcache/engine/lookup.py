@@ -32,14 +32,14 @@ from dataclasses import dataclass, field
 from typing import Generic, Protocol
 
 from tokcache.engine.affixes import Affixes
-from tokcache.engine.boundaries import BoundaryScanner
+from tokcache.engine.boundaries import BoundaryScanner, Scan
 from tokcache.engine.encoder import Encoder
 from tokcache.engine.errors import InvalidRequest, RequestTooLarge
 from tokcache.engine.ids import IdFormat, Ids
 from tokcache.engine.memo import ChainMemo
 from tokcache.ids import pack_ids, unpack_ids
 from tokcache.store import Kind, Known, RecordRef, StoreError, Walk
-from tokcache.store.keys import MODE_EXACT, MODE_KV_STABLE, TextKeys, segment_key
+from tokcache.store.keys import MODE_EXACT, MODE_KV_STABLE, TextKeys, namespace, segment_key
 
 __all__ = [
     "CacheView",
@@ -233,11 +233,25 @@ class Lookup(Generic[Ids]):
         failing store degrades to plain encoding; it never fails the request. Nothing is
         written: the caller stores ``Result.write`` (if any) after answering.
         """
-        return self.tokenize_utf8(utf8(text), len(text), add_special_tokens=add_special_tokens, salt=salt, mode=mode)
+        if len(text) > self.limits.max_text_bytes:  # chars <= bytes: a cheap first test
+            raise RequestTooLarge("text", self.limits.max_text_bytes)
+        try:
+            scan = self.model.scanner.scan_text(text)
+        except UnicodeEncodeError as exc:
+            raise InvalidRequest("text", f"not valid Unicode at index {exc.start} (a lone surrogate)") from exc
+        return self._tokenize(scan, len(text), add_special_tokens=add_special_tokens, salt=salt, mode=mode)
 
     def tokenize_utf8(self, data: bytes, n_chars: int, *, add_special_tokens: bool, salt: str = "",
                       mode: str = "kv-stable") -> Result[Ids]:
         """:meth:`tokenize` of a text given as valid UTF-8 ``data`` of ``n_chars`` characters."""
+        if len(data) > self.limits.max_text_bytes:
+            raise RequestTooLarge("text", self.limits.max_text_bytes)
+        return self._tokenize(self.model.scanner.scan(data), n_chars, add_special_tokens=add_special_tokens,
+                              salt=salt, mode=mode)
+
+    def _tokenize(self, scan: Scan, n_chars: int, *, add_special_tokens: bool, salt: str,
+                  mode: str) -> Result[Ids]:
+        data = scan.data
         if len(data) > self.limits.max_text_bytes:
             raise RequestTooLarge("text", self.limits.max_text_bytes)
         tag = mode_tag(mode)
@@ -250,13 +264,12 @@ class Lookup(Generic[Ids]):
             ids = self.fmt.from_list(self.model.encoder.encode_full(data.decode("utf-8")))
             return Result(self.fmt.result(ids, self.fmt.count(ids)), decision)
         t0 = time.perf_counter_ns()
-        scan = self.model.scanner.scan(data)
         spans = scan.spans
         decision.boundaries = len(spans)
-        keys = TextKeys(data, spans, salt, tag)
-        ns = keys.namespace()
-        if scan.base is not None:  # hash only what was appended to a text hashed before
-            keys = TextKeys(data, spans, salt, tag, scan.base.hashers.get(ns))  # type: ignore[arg-type]
+        ns = namespace(salt, tag)
+        # Hash only what was appended to a text hashed before (same namespace).
+        resume = scan.base.hashers.get(ns) if scan.base is not None else None
+        keys = TextKeys(data, spans, salt, tag, resume)
         store, ar = self._usable_store(tag, decision)
         # One hashing pass: the L1 keys of the last cuts, the AR keys between them, the L0 key.
         keys.scan_tail(len(spans) - TAIL_PROBES, ar=ar)

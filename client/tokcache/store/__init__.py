@@ -19,7 +19,7 @@ Typical use::
 
 Readers that must never write (a co-located client, ``tokcache-sidecar stats``)::
 
-    reader = Store.attach_readonly(prefix="tokcache", fingerprint=fp_hex)
+    reader = StoreReader.attach(prefix="tokcache", fingerprint=fp_hex)
     DirectLookup(prefix="tokcache", fingerprint=fp_hex).get_ids(text)   # L0 without RPC
     read_stats("tokcache")  # -> [{"name": ..., "used_bytes": ..., ...}, ...]
 """
@@ -29,9 +29,11 @@ from __future__ import annotations
 from ._direct import DirectLookup, l0_key
 from ._layout import id_bytes_for
 from ._log import Known, RecordRef, Walk
+from ._names import segment_name
 from ._reader import StoreReader, read_stats
 from ._segment import usable_size
-from ._store import EVICTION_CAUSES, Kind, Shrink, Store, StoreStats, segment_name
+from ._stats import EVICTION_CAUSES, Kind, StoreStats
+from ._store import Shrink, Store
 from .errors import LockTimeout, SegmentError, SegmentFull, SegmentMismatch, StoreClosed, StoreError
 
 __all__ = [

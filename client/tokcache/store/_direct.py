@@ -21,8 +21,8 @@ import time
 from array import array
 from collections.abc import Callable
 
+from ._names import segment_name
 from ._reader import StoreReader
-from ._store import segment_name
 from .errors import StoreError
 from .keys import l0_key
 

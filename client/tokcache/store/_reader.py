@@ -31,8 +31,9 @@ from ._layout import (
 )
 from ._log import Known, Log, Walk
 from ._manifest import read_manifest
+from ._names import segment_name
 from ._segment import SHM_DIR, Segment, attach_readonly, shm_path
-from ._store import StoreStats, segment_name, stats_of
+from ._stats import StoreStats, stats_of
 from .errors import SegmentMismatch, StoreClosed, StoreError
 
 __all__ = ["StoreReader", "read_stats"]
@@ -43,7 +44,7 @@ _SEGMENT_RE: Final = re.compile(r"(?P<prefix>.+)-(?P<fingerprint>[0-9a-f]{32})")
 class StoreReader:
     """A read-only mapping of one segment. ``get`` is lock-free and thread-safe.
 
-    Create with :meth:`attach` (or ``Store.attach_readonly``). The mapping keeps the
+    Create with :meth:`attach`. The mapping keeps the
     segment it found: when a sidecar replaces the segment (another size or layout),
     :attr:`replaced` turns True and the caller should attach again. ``id_bytes`` is the
     segment's stored id width (from its header); ``get`` returns u32 ids regardless.

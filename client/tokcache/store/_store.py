@@ -26,16 +26,11 @@ raises it again. Evictions are counted by cause (cap, ttl, pressure).
 
 from __future__ import annotations
 
-import enum
 import math
 import mmap
-import os
-import re
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from types import MappingProxyType
-from typing import TYPE_CHECKING, Final, NamedTuple
+from typing import Final, NamedTuple
 
 from . import _layout
 from ._index import Index
@@ -53,19 +48,13 @@ from ._layout import (
     W_AR_PUTS,
     W_CONSOLIDATIONS,
     W_CORRUPT,
-    W_EVICT_CAP,
-    W_EVICT_PRESSURE,
     W_EVICT_TTL,
     W_EXPIRED,
     W_HEAD,
     W_HITS,
-    W_INDEX_EVICTIONS,
-    W_LOCK_PID,
-    W_LOCK_RECOVERIES,
     W_MISSES,
     W_PUTS,
     W_RELEASE_TAIL,
-    W_RELEASED,
     W_RETIRED,
     W_SOFT_CAP,
     W_TAIL,
@@ -76,99 +65,17 @@ from ._layout import (
 from ._lock import DEFAULT_TIMEOUT, WriterLock
 from ._log import CORRUPT, Entry, Known, Link, Log, RecordRef, Walk, effective_cap, min_soft_cap
 from ._manifest import read_manifest, write_manifest
+from ._names import segment_name
 from ._segment import Segment, attach_existing, open_segment, unlink_segment
+from ._stats import EVICTION_CAUSES, Kind, StoreStats, resident_bytes, stats_of
 from .errors import FOREIGN_ERRORS, SegmentFull, StoreClosed, translate, translated
-
-if TYPE_CHECKING:
-    from ._reader import StoreReader
 
 __all__ = ["EVICTION_CAUSES", "Kind", "Shrink", "Store", "StoreStats", "segment_name"]
 
 CONSOLIDATE_DEPTH: Final = 1024  # a hit this deep is rewritten as one record
-EVICTION_CAUSES: Final = ("cap", "ttl", "pressure")
 # Under a soft cap, free arena pages are given back each time tail has moved this far
 # (or an eighth of the cap, if larger): one madvise per batch, not per put.
 RELEASE_BATCH: Final = 64 * PAGE
-_PREFIX_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-_FINGERPRINT_RE: Final = re.compile(r"[0-9a-fA-F]{32}")
-
-
-class Kind(enum.IntEnum):
-    """What an entry holds; each kind may have its own TTL."""
-
-    L0 = 1  # exact text
-    L1 = 2  # text prefix at a safe boundary
-    AR = 3  # recorded model output
-
-
-def segment_name(prefix: str, fingerprint: str) -> str:
-    """The POSIX shm name ``/<prefix>-<fingerprint>`` (fingerprint lower-cased).
-
-    ``prefix``: 1-128 of ``[A-Za-z0-9._-]``, not starting with ``.``, ``_`` or ``-``.
-    ``fingerprint``: 32 hex digits. Raises ValueError otherwise.
-    """
-    if not _PREFIX_RE.fullmatch(prefix):
-        raise ValueError(f"prefix must match {_PREFIX_RE.pattern}, got {prefix!r}")
-    if not _FINGERPRINT_RE.fullmatch(fingerprint):
-        raise ValueError(f"fingerprint must be 32 hex digits, got {fingerprint!r}")
-    return f"/{prefix}-{fingerprint.lower()}"
-
-
-@dataclass(frozen=True)
-class StoreStats:
-    """A snapshot of one segment. Counters are shared by every process using it.
-
-    ``hits``/``misses``/``expired``/``corrupt`` are bumped by readers without a lock and may
-    lose concurrent increments; the writer counters are exact. ``expired`` and ``corrupt``
-    are the misses caused by a passed TTL and by failed verification (``corrupt`` also
-    counts log resets after a stray write). Records dropped off the log are counted by
-    cause: ``evictions`` to make room within the segment (the byte cap),
-    ``ttl_evictions`` swept because every key in them expired, ``pressure_evictions`` to
-    stay under the soft cap memory pressure set; ``evictions_by_cause`` maps "cap",
-    "ttl", "pressure" to the same three. ``index_evictions`` counts live slots displaced
-    from full buckets. ``live_entries``
-    counts unexpired slots pointing into the live log (extrapolated from a sample of
-    buckets on large segments; a slot whose chain lost a link still counts).
-    ``soft_cap`` is the arena bytes writers may use now (``arena_bytes`` without memory
-    pressure); ``resident_bytes`` the segment's pages actually allocated in tmpfs (what
-    counts against a memory limit), ``released_bytes`` the arena bytes given back so far.
-    ``id_bytes`` is the width each id is stored in (3 or 4).
-    """
-
-    capacity: int
-    arena_bytes: int
-    used_bytes: int
-    index_slots: int
-    live_entries: Mapping[Kind, int]
-    hits: int
-    misses: int
-    puts: int
-    evictions: int
-    ttl_evictions: int
-    pressure_evictions: int
-    evictions_by_cause: Mapping[str, int]
-    expired: int
-    corrupt: int
-    index_evictions: int
-    consolidations: int
-    lock_recoveries: int
-    soft_cap: int
-    resident_bytes: int
-    released_bytes: int
-    lock_holder_pid: int
-    id_bytes: int
-
-    def as_dict(self) -> dict[str, object]:
-        """JSON-able form (kinds by name)."""
-        out: dict[str, object] = {}
-        for name in self.__dataclass_fields__:
-            value = getattr(self, name)
-            if name == "live_entries":
-                value = {Kind(kind).name: n for kind, n in value.items()}
-            elif isinstance(value, Mapping):
-                value = dict(value)
-            out[name] = value
-        return out
 
 
 class Shrink(NamedTuple):
@@ -299,18 +206,6 @@ class Store:
             except BaseException:
                 segment.close()
                 raise
-
-    @staticmethod
-    def attach_readonly(*, prefix: str, fingerprint: str, clock: Callable[[], float] | None = None) -> StoreReader:
-        """Map the existing segment ``<prefix>-<fingerprint>`` read-only (see StoreReader).
-
-        Never creates, replaces or writes anything; the size comes from the segment.
-        Raises SegmentError when there is no such segment and SegmentMismatch when it is
-        not one this code can read.
-        """
-        from ._reader import StoreReader
-
-        return StoreReader.attach(prefix=prefix, fingerprint=fingerprint, clock=clock)
 
     # --- reads --------------------------------------------------------------------------
 
@@ -754,7 +649,7 @@ class Store:
         """Bytes of the segment allocated in tmpfs now (charged to a memory cgroup)."""
         if self._mm is None:
             raise StoreClosed(f"{self.name} is closed")
-        return _resident(self._segment.fd)
+        return resident_bytes(self._segment.fd)
 
     def _soft_cap_value(self, limit: int) -> int:
         if limit < 0:
@@ -841,44 +736,6 @@ class Store:
     def __repr__(self) -> str:
         state = "closed" if self._mm is None else f"{self.size} bytes"
         return f"<Store {self.name} {state}>"
-
-
-def stats_of(words: memoryview, index: Index, log: Log, size: int, fd: int, now: float) -> StoreStats:
-    """The StoreStats of a mapped segment (shared by Store and StoreReader)."""
-    head, tail = words[W_HEAD], words[W_TAIL]
-    live = index.live_entries(head, tail, now)
-    by_cause = {"cap": words[W_EVICT_CAP], "ttl": words[W_EVICT_TTL], "pressure": words[W_EVICT_PRESSURE]}
-    return StoreStats(
-        capacity=size,
-        arena_bytes=log.size,
-        used_bytes=head - tail if 0 <= head - tail <= log.size else 0,
-        index_slots=index.slots,
-        live_entries=MappingProxyType({kind: live.get(kind, 0) for kind in Kind}),
-        hits=words[W_HITS],
-        misses=words[W_MISSES],
-        puts=words[W_PUTS],
-        evictions=by_cause["cap"],
-        ttl_evictions=by_cause["ttl"],
-        pressure_evictions=by_cause["pressure"],
-        evictions_by_cause=MappingProxyType(by_cause),
-        expired=words[W_EXPIRED],
-        corrupt=words[W_CORRUPT],
-        index_evictions=words[W_INDEX_EVICTIONS],
-        consolidations=words[W_CONSOLIDATIONS],
-        lock_recoveries=words[W_LOCK_RECOVERIES],
-        soft_cap=log.cap(),
-        resident_bytes=_resident(fd),
-        released_bytes=words[W_RELEASED],
-        lock_holder_pid=words[W_LOCK_PID],
-        id_bytes=log.id_bytes,
-    )
-
-
-def _resident(fd: int) -> int:
-    try:
-        return os.fstat(fd).st_blocks * 512
-    except OSError:
-        return 0
 
 
 def _check_key(key: bytes, what: str) -> None:

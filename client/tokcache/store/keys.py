@@ -15,7 +15,7 @@ from typing import Any
 
 from blake3 import blake3
 
-__all__ = ["KEY_BYTES", "KeyStream", "MODE_EXACT", "MODE_KV_STABLE", "TextKeys", "l0_key", "segment_key"]
+__all__ = ["KEY_BYTES", "KeyStream", "MODE_EXACT", "MODE_KV_STABLE", "TextKeys", "l0_key", "namespace", "segment_key"]
 
 KEY_BYTES = 16
 MODE_EXACT = b"C"  # canonical ids only
@@ -26,14 +26,19 @@ _L0_SUFFIX = b"\xffL0"
 _AR_SUFFIX = b"\xffAR"
 
 
+def namespace(salt: str, mode: bytes) -> bytes:
+    """What separates one key namespace (mode, salt) from another, as bytes."""
+    salt_b = salt.encode("utf-8")
+    return mode + len(salt_b).to_bytes(4, "little") + salt_b
+
+
 class KeyStream:
     """Incremental keys over one text. Not thread-safe; one per request."""
 
     __slots__ = ("_h", "namespace")
 
     def __init__(self, salt: str, mode: bytes) -> None:
-        salt_b = salt.encode("utf-8")
-        self.namespace = mode + len(salt_b).to_bytes(4, "little") + salt_b
+        self.namespace = namespace(salt, mode)
         self._h = blake3(b"tokcache/v1\x00" + self.namespace)
 
     def feed(self, data: bytes) -> None:
@@ -114,7 +119,7 @@ class TextKeys:
         self._resume = resume if resume is not None and resume[0] <= len(data) else None
         self._last: tuple[int, Any] | None = None
 
-    def _hasher_at(self, offset: int) -> Any:
+    def _hasher_at(self, offset: int) -> Any:  # noqa: ANN401 - blake3's hasher type is untyped
         """A hasher fed the namespace header and ``data[:offset]``."""
         r = self._resume
         if r is not None and r[0] <= offset:

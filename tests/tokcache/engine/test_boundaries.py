@@ -97,7 +97,8 @@ def test_incremental_scan_equals_full_scan(qwen3_path: Path) -> None:
     check = check_boundaries(path, TokenizersEncoder(path))
     memo = BoundaryScanner.from_tokenizer(path, check)
     added = [str(t["content"]) for t in json.loads(path.read_text())["added_tokens"]]
-    fresh = BoundaryScanner(added, check.boundary_tokens, memo_texts=0)
+    fresh = BoundaryScanner(added, check.boundary_tokens, memo_bytes=0)
+    texts = BoundaryScanner.from_tokenizer(path, check)  # scanned from str: only new text encoded
     rng = random.Random(7)
     parts = ["<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "x", " ", "\n", "<|im_",
              "end|>", "<", "|", ">", "think>", "你好", "<tool_response>"]
@@ -107,3 +108,5 @@ def test_incremental_scan_equals_full_scan(qwen3_path: Path) -> None:
             text += "".join(rng.choice(parts) for _ in range(rng.randint(0, 12)))
             data = text.encode()
             assert memo.spans(data) == fresh.spans(data), text
+            scan = texts.scan_text(text)
+            assert scan.data == data and scan.spans == fresh.spans(data), text

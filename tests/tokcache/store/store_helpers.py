@@ -16,7 +16,7 @@ from multiprocessing.synchronize import Barrier, Event
 
 from blake3 import blake3
 
-from tokcache.store import Kind, Store
+from tokcache.store import Kind, Store, StoreReader
 from tokcache.store._segment import shm_path
 
 FINGERPRINT = "0123456789abcdef0123456789abcdef"
@@ -109,7 +109,7 @@ def child_read(prefix: str, size: int, keys: list[bytes]) -> list[bytes | None]:
 
 def child_read_only(prefix: str, keys: list[bytes]) -> list[bytes | None]:
     """Map the segment read-only and read ``keys`` (run in a pool of one)."""
-    with Store.attach_readonly(prefix=prefix, fingerprint=FINGERPRINT) as reader:
+    with StoreReader.attach(prefix=prefix, fingerprint=FINGERPRINT) as reader:
         return [reader.get(k) for k in keys]
 
 

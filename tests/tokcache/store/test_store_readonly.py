@@ -45,7 +45,7 @@ def test_reader_sees_what_writers_put_and_writes_nothing(open_store: Open, shm_p
     for c, t in conversations(30, 8):  # laps the log: old chains are gone, hot ones near the tail
         put_turn(store, c, t)
         want.update(expected(c, t))
-    with Store.attach_readonly(prefix=shm_prefix, fingerprint=FINGERPRINT) as reader:
+    with StoreReader.attach(prefix=shm_prefix, fingerprint=FINGERPRINT) as reader:
         assert reader.size == 256 << 10 and reader.fingerprint == FINGERPRINT
         assert reader.id_bytes == reader.stats().id_bytes == id_bytes
         hits = 0
@@ -84,7 +84,7 @@ def test_reader_in_another_process(open_store: Open, shm_prefix: str) -> None:
 
 def test_attach_readonly_never_creates_or_replaces(open_store: Open, shm_prefix: str) -> None:
     with pytest.raises(SegmentError):
-        Store.attach_readonly(prefix=shm_prefix, fingerprint=FINGERPRINT)
+        StoreReader.attach(prefix=shm_prefix, fingerprint=FINGERPRINT)
     assert not os.path.exists(shm_path(f"/{shm_prefix}-{FINGERPRINT}"))
     store = open_store()
     store.close()
@@ -93,14 +93,14 @@ def test_attach_readonly_never_creates_or_replaces(open_store: Open, shm_prefix:
         f.write((99).to_bytes(4, "little"))  # another layout version
     snapshot = open(shm_path(store.name), "rb").read()
     with pytest.raises(SegmentMismatch):
-        Store.attach_readonly(prefix=shm_prefix, fingerprint=FINGERPRINT)
+        StoreReader.attach(prefix=shm_prefix, fingerprint=FINGERPRINT)
     assert open(shm_path(store.name), "rb").read() == snapshot
 
 
 def test_reader_notices_replacement(open_store: Open, shm_prefix: str) -> None:
     store = open_store()
     assert store.put(None, 0, ids_of("a"), [(key("a"), 1)], Kind.L0)
-    reader = Store.attach_readonly(prefix=shm_prefix, fingerprint=FINGERPRINT)
+    reader = StoreReader.attach(prefix=shm_prefix, fingerprint=FINGERPRINT)
     try:
         assert not reader.replaced
         open_store(size=2 << 20)  # another size: replaces the segment

@@ -128,7 +128,7 @@ def test_reattach_keeps_the_header_width(open_store: Open, shm_prefix: str, crea
     assert _static(second).id_bytes == created
     assert second.get(key("a")) == u32(1, TOP)
     assert (second.put(None, 0, u32(1 << 24), [(key("big"), 1)], Kind.L1) is not None) is (created == 4)
-    with Store.attach_readonly(prefix=shm_prefix, fingerprint=FINGERPRINT) as reader:
+    with StoreReader.attach(prefix=shm_prefix, fingerprint=FINGERPRINT) as reader:
         assert reader.id_bytes == created
         assert reader.get(key("a")) == u32(1, TOP)
 
@@ -144,7 +144,7 @@ def test_layout_2_segment_is_replaced(open_store: Open, shm_prefix: str, caplog:
     ).ljust(_layout.STATIC_CHECK_OFF, b"\0")
     _write(first, 0, static + _layout.check_of(static))  # a valid header, as version 2 wrote it
     with pytest.raises(SegmentMismatch, match="layout version 2"):
-        Store.attach_readonly(prefix=shm_prefix, fingerprint=FINGERPRINT)
+        StoreReader.attach(prefix=shm_prefix, fingerprint=FINGERPRINT)
     with caplog.at_level(logging.WARNING):
         second = open_store(id_bytes=3)
     assert "layout version 2" in caplog.text
@@ -162,7 +162,7 @@ def test_unknown_width_in_a_checked_header_is_replaced(open_store: Open, shm_pre
     first.close()
     _write(first, 0, _layout.pack_static(_layout.geometry_for(first.size), bytes.fromhex(FINGERPRINT), 0, width))
     with pytest.raises(SegmentMismatch, match="id width"):
-        Store.attach_readonly(prefix=shm_prefix, fingerprint=FINGERPRINT)
+        StoreReader.attach(prefix=shm_prefix, fingerprint=FINGERPRINT)
     second = open_store()
     assert not second.attached_existing and second.id_bytes == 4
 
@@ -172,7 +172,7 @@ def test_reader_and_direct_lookup_of_a_3_byte_segment_return_u32(open_store: Ope
     values = [151_643, 0, 198, TOP, 42]
     assert store.put(None, 0, u32(*values[:2]), [(key("p"), 2)], Kind.L1)
     assert store.put(key("p"), 2, u32(*values[2:]), [(l0_key("hello"), 3, Kind.L0)], Kind.L1)
-    with Store.attach_readonly(prefix=shm_prefix, fingerprint=FINGERPRINT) as reader:
+    with StoreReader.attach(prefix=shm_prefix, fingerprint=FINGERPRINT) as reader:
         assert reader.id_bytes == 3
         got = reader.get(l0_key("hello"))
         assert isinstance(got, bytes) and got == u32(*values)
