@@ -118,11 +118,12 @@ def check_tokenize(model: str, *, text: str | None, messages: Sequence[Mapping[s
                    add_special_tokens: bool | None, cache_salt: str | None, mode: str | None,
                    return_prompt_text: bool) -> None:
     """``tokenize``'s arguments (all but ``timeout``) checked without building a request, for a
-    path that sends none (in-process); :func:`build_tokenize` checks the same."""
+    path that sends none (in-process, which finds a lone surrogate in ``text`` itself as it
+    encodes it); :func:`build_tokenize` checks the same."""
     _validate.tokenize(model, text=text, messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
                        continue_final_message=continue_final_message, chat_template_kwargs=chat_template_kwargs,
                        add_special_tokens=add_special_tokens, cache_salt=cache_salt, mode=mode,
-                       return_prompt_text=return_prompt_text)
+                       return_prompt_text=return_prompt_text, text_unicode=False)
 
 
 def check_timeout(timeout: float | None) -> None:

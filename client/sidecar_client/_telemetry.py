@@ -24,20 +24,31 @@ except ImportError:  # pragma: no cover - the API ships with the sidecar's depen
     _otel_trace = None  # type: ignore[assignment]
 
 _tracer: Any = None
+# Whether an SDK tracer provider is installed, and when that was last looked at: an SDK
+# is usually set up once at start, so this is checked once a second, not per request.
+_sdk = False
+_sdk_checked = -1.0
+_SDK_RECHECK_S = 1.0
+
+
+def _tracing_on() -> bool:
+    global _sdk, _sdk_checked
+    now = time.monotonic()
+    if now - _sdk_checked >= _SDK_RECHECK_S:
+        _sdk_checked = now
+        _sdk = _otel_trace is not None and not isinstance(_otel_trace.get_tracer_provider(),
+                                                           _otel_trace.ProxyTracerProvider)
+    return _sdk
 
 
 def trace_local(model: str, fingerprint: str, result: TokenizeResult, mode: str, salted: bool, start_ns: int) -> None:
     """Record one in-process Tokenize as a span (started at perf_counter ``start_ns``). Never raises."""
     global _tracer
-    if _otel_trace is None:
-        return
+    if _otel_trace is None or not _tracing_on():
+        return  # no SDK: nothing would be recorded
     try:
         if _tracer is None:
             _tracer = _otel_trace.get_tracer("sidecar_client")
-        parent = _otel_trace.get_current_span()
-        if not parent.is_recording() and isinstance(_otel_trace.get_tracer_provider(),
-                                                    _otel_trace.ProxyTracerProvider):
-            return  # no SDK: nothing would be recorded
         elapsed = time.perf_counter_ns() - start_ns
         end = time.time_ns()
         span = _tracer.start_span("tokcache.Tokenize", start_time=end - elapsed)

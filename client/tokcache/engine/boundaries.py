@@ -241,7 +241,11 @@ class BoundaryScanner:
         base = self._base(head, lambda c: c.text is not None and len(c.text) <= len(text)
                           and text.startswith(c.text))
         if base is not None and base.text is not None:
-            data = base.data + text[len(base.text):].encode("utf-8")
+            n = len(base.text)
+            try:
+                data = base.data + text[n:].encode("utf-8")
+            except UnicodeEncodeError as exc:  # where in the whole text, not in its new part
+                raise UnicodeEncodeError(exc.encoding, text, exc.start + n, exc.end + n, exc.reason) from None
         else:
             data = text.encode("utf-8")
             base = self._base(head, lambda c: len(c.data) <= len(data) and data.startswith(c.data))

@@ -83,7 +83,7 @@ def mode_tag(mode: str) -> bytes:
 class CacheView(Protocol):
     """What the lookup reads of a segment: ``Store`` (read-write) or ``StoreReader``."""
 
-    def contains(self, key: bytes) -> bool: ...
+    def probe(self, key: bytes) -> bool: ...
     def slot(self, key: bytes) -> tuple[int, int] | None: ...
     def holds_ar(self) -> bool: ...
     def read(self, key: bytes, known: Known | None = None) -> Walk | None: ...
@@ -238,7 +238,8 @@ class Lookup(Generic[Ids]):
         try:
             scan = self.model.scanner.scan_text(text)
         except UnicodeEncodeError as exc:
-            raise InvalidRequest("text", f"not valid Unicode at index {exc.start} (a lone surrogate)") from exc
+            raise InvalidRequest("text", f"not valid Unicode: lone surrogate {text[exc.start]!r} at index "
+                                         f"{exc.start}") from exc
         return self._tokenize(scan, len(text), add_special_tokens=add_special_tokens, salt=salt, mode=mode)
 
     def tokenize_utf8(self, data: bytes, n_chars: int, *, add_special_tokens: bool, salt: str = "",
@@ -388,20 +389,20 @@ class Lookup(Generic[Ids]):
         step = 1
         probe = n - 1
         while probe > lo:
-            if store.contains(keys.key(probe)):
+            if store.probe(keys.key(probe)):
                 lo = probe
                 break
             hi = probe - 1
             probe = n - 1 - step
             step *= 2
-        if lo < 0 and probe < 0 <= hi and store.contains(keys.key(0)):
+        if lo < 0 and probe < 0 <= hi and store.probe(keys.key(0)):
             lo = 0
         if lo < 0:
             return -1, None, 0
         # Present at lo, absent at every probed index above it: binary search (lo, hi].
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if store.contains(keys.key(mid)):
+            if store.probe(keys.key(mid)):
                 lo = mid
             else:
                 hi = mid - 1

@@ -237,6 +237,10 @@ class Store:
             return None
         return lsn_kind & LSN_MASK, int(self._words[W_TAIL])
 
+    def probe(self, key: bytes) -> bool:
+        """:meth:`contains` (the lookup's name for it; see ``StoreReader.probe``)."""
+        return self._live_slot(key) is not None
+
     def contains(self, key: bytes) -> bool:
         """Whether ``key`` has a live, unexpired index slot — without reading its chain.
 
