@@ -1,16 +1,28 @@
-"""``make demo``: a sidecar on the bundled Qwen3 tokenizer, replaying an agent conversation.
+"""``make demo``: the problem tokcache solves and the fix, in one run, on the bundled Qwen3 tokenizer.
 
-Starts ``tokcache-sidecar serve`` on a temporary unix socket (and its own
-shared-memory prefix), sends a growing multi-turn conversation turn by turn
-as chat messages, and prints each turn's cache decision and latency next to
-in-process tokenization (render + HF ``tokenizers``, what vLLM does by
-default), checking the ids are identical. Then stops the sidecar and removes
-its shared memory.
+An agent loop sends the whole conversation back every turn. The model's answers come back
+as text; re-tokenizing them rarely gives the ids the model generated ("\\n\\n" generated as
+two ``\\n`` tokens re-encodes as one), so vLLM's prefix cache — keyed by token ids — stops
+matching at the first such answer and prefills the rest again, every turn.
+
+The demo starts a real ``tokcache-sidecar`` on a temporary socket and replays an agent
+conversation. At every turn a stand-in for the model answers with ids a real model
+produces (valid, but not what BPE would pick for the text), and the answer is recorded
+(RecordOutput). The next turn's prompt is then tokenized two ways:
+
+- as vLLM does by default: render, then ``tokenizers`` (canonical ids);
+- with tokcache's client (``sidecar_client.SidecarClient``, reading the sidecar's shared
+  memory in this process): the recorded ids come back spliced in.
+
+For each turn it prints how much of the prompt vLLM's prefix cache could reuse (the
+longest common prefix with the previous prompt + generated ids, in whole KV blocks), the
+cache's decision, and the tokenization latency of both, then stops the sidecar and
+removes its shared memory.
 """
 
 from __future__ import annotations
 
-import json
+import shlex
 import shutil
 import signal
 import subprocess
@@ -23,6 +35,7 @@ from typing import Any
 
 from tokcache.sidecar.bundled import qwen3_dir
 
+BLOCK = 16  # tokens per KV block (vLLM's default block size on GPUs)
 TOOLS = [{
     "type": "function",
     "function": {
@@ -30,117 +43,159 @@ TOOLS = [{
         "description": "Run a shell command in the repository and return its output.",
         "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}, "required": ["cmd"]},
     },
-}, {
-    "type": "function",
-    "function": {
-        "name": "read_file",
-        "description": "Read a file of the repository.",
-        "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]},
-    },
 }]
 
-_FILE = '''def parse(line: str) -> dict[str, int]:
-    """Parse 'key=value' pairs."""
-    out = {}
-    for part in line.split(","):
-        key, _, value = part.partition("=")
-        out[key.strip()] = int(value)   # BUG: fails on empty values
+ANSWERS = [
+    "Let me look at the parser first.\n\n```python\ndef parse(line: str) -> dict[str, int]:\n    out = {}\n"
+    "    for part in line.split(\",\"):\n        key, _, value = part.partition(\"=\")\n"
+    "        out[key.strip()] = int(value)\n    return out\n```\n\nThe loop calls `int()` on every value, "
+    "including the empty one between the two commas.",
+    "The bug: empty values reach `int()`.\n\n```python\n    for part in line.split(\",\"):\n"
+    "        key, _, value = part.partition(\"=\")\n        if not value:\n            continue\n"
+    "        out[key.strip()] = int(value)\n```\n\nI also added a test:\n\n```python\n"
+    "def test_empty_value() -> None:\n    assert parse(\"a=1,,b=2\") == {\"a\": 1, \"b\": 2}\n```",
+    "All 12 tests pass now.\n\n- fixed `parse()` to skip empty values\n- added `test_empty_value`\n"
+    "- no other caller depends on the old behaviour\n\n```\n$ pytest -q\n............  [100%]\n"
+    "12 passed in 0.31s\n```\n\nAnything else?",
+    "Done: the changelog has a new entry.\n\n```markdown\n## 1.4.1\n\n### Fixed\n\n"
+    "- `parse()` no longer crashes on empty values (`a=1,,b=2`).\n```\n\n日志已更新 ✅ Shall I open a PR?",
+    "PR #42 is open.\n\n  Title: \"parser: skip empty values\"\n  Branch: fix/parser-empty-values\n\n"
+    "CI is green:\n\n| job | result |\n| --- | --- |\n| lint | ok |\n| tests | 12 passed |\n",
+]
+QUESTIONS = [
+    "The parser crashes on `a=1,,b=2`. Find and fix the bug.",
+    "Good. Show me the fix.",
+    "Run the whole suite, please.",
+    "Update the changelog too.",
+    "Open a pull request.",
+]
+
+
+def model_ids(text: str, encode: Any, token_bytes: dict[int, bytes], specials: set[int]) -> list[int]:
+    """Ids a model may generate for ``text``: valid (they decode to it) but often not BPE's.
+
+    Models emit one token at a time and regularly pick two shorter tokens where BPE has
+    one (newlines, spaces before words): split every multi-byte canonical token that has a
+    split into two vocabulary tokens.
+    """
+    reverse = {b: i for i, b in token_bytes.items() if i not in specials}
+    out: list[int] = []
+    for tok in encode(text):
+        b = token_bytes[tok]
+        split = next(([reverse[b[:k]], reverse[b[k:]]] for k in range(1, len(b))
+                      if b[:k] in reverse and b[k:] in reverse), None) if len(b) >= 2 else None
+        out += split or [tok]
     return out
-'''
 
 
-def conversation(turns: int = 8) -> list[list[dict[str, Any]]]:
-    """The message list sent at each turn (each turn extends the previous one)."""
-    msgs: list[dict[str, Any]] = [
-        {"role": "system", "content": "You are a careful coding agent. Use tools; answer briefly."},
-        {"role": "user", "content": "The parser crashes on `a=1,,b=2`. Find and fix the bug.\n\n日志: 解析失败 🐛"},
-    ]
-    out = [list(msgs)]
-    for t in range(1, turns):
-        if t % 2:
-            msgs.append({"role": "assistant", "content": "", "tool_calls": [{
-                "id": f"call_{t}", "type": "function",
-                "function": {"name": "read_file" if t % 4 == 1 else "run_shell",
-                             "arguments": json.dumps({"path": "parser.py"} if t % 4 == 1
-                                                     else {"cmd": f"pytest -q -k parse_{t}"})}}]})
-            failure = "    ValueError: invalid literal for int() with base 10: ''"
-            result = _FILE if t % 4 == 1 else f"F.{'.' * t}\n{failure}\n\n{t} passed, 1 failed  "
-            msgs.append({"role": "tool", "tool_call_id": f"call_{t}", "content": result})
-        else:
-            msgs.append({"role": "assistant",
-                         "content": f"Step {t}: empty values reach `int()`.\n\n"
-                                    "```python\n    if not value:\n        continue\n```\n"})
-            msgs.append({"role": "user", "content": f"Good. Now run the tests again (round {t})."})
-        out.append(list(msgs))
-    return out
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
-def _wait_for_socket(path: Path, proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
+def _wait_ready(client: Any, proc: subprocess.Popen[bytes], timeout: float = 90.0) -> Any:
+    from sidecar_client import SidecarUnavailable
+
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise SystemExit(f"sidecar exited with {proc.returncode}")
-        if path.exists():
-            return
-        time.sleep(0.05)
-    raise SystemExit("sidecar did not start in time")
+        try:
+            models = client.list_models()
+            if models:
+                return models[0]
+        except SidecarUnavailable:
+            pass
+        time.sleep(0.1)
+    raise SystemExit(f"sidecar not ready after {timeout:.0f} s")
 
 
 def main() -> int:
     import tokenizers
 
-    from sidecar_client import SidecarClient, SidecarUnavailable
+    from sidecar_client import SidecarClient
     from tokcache.sidecar.engine.render import ChatRenderer
+    from tokcache.sidecar.engine.tokenbytes import TokenBytes
 
     model_dir = qwen3_dir()
     tmp = Path(tempfile.mkdtemp(prefix="tokcache-demo-"))
     sock = tmp / "tokcache.sock"
     prefix = f"tokcache-demo-{uuid.uuid4().hex[:8]}"
-    cmd = [sys.executable, "-m", "tokcache.sidecar.cli", "serve", "--listen", f"unix://{sock}",
-           "--model", f"qwen3={model_dir}", "--shm-size", "64MiB", "--shm-prefix", prefix]
-    print(f"$ tokcache-sidecar serve --listen unix://{sock} --model qwen3={model_dir} --shm-size 64MiB")
+    args = ["serve", "--listen", f"unix://{sock}", "--model", f"qwen3={model_dir}", "--shm-size", "64MiB",
+            "--shm-prefix", prefix]
+    print("$ tokcache-sidecar " + shlex.join(args))
     log = (tmp / "sidecar.log").open("wb")
-    proc = subprocess.Popen(cmd, stderr=log)
+    proc = subprocess.Popen([sys.executable, "-m", "tokcache.sidecar.cli", *args], stderr=log)
     try:
-        _wait_for_socket(sock, proc)
         renderer = ChatRenderer.from_dir(model_dir)
         assert renderer is not None
         reference = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        table = TokenBytes.from_tokenizer_json(model_dir / "tokenizer.json")._table
+        specials = {i for i, t in reference.get_added_tokens_decoder().items() if t.special}
+
+        def encode(text: str) -> list[int]:
+            return list(reference.encode(text, add_special_tokens=False).ids)
+
         with SidecarClient(f"unix://{sock}") as client:
-            t0 = time.monotonic()
-            while True:  # ready once the tokenizers are loaded
-                try:
-                    models = client.list_models()
-                    if models:
-                        break
-                except SidecarUnavailable:
-                    pass
-                if time.monotonic() - t0 > 60:
-                    raise SystemExit("sidecar not ready after 60 s")
-                time.sleep(0.1)
-            m = models[0]
-            print(f"model {m.name}: fingerprint {m.fingerprint}, backend {m.backend}, "
-                  f"{m.boundary_tokens} boundary tokens\n")
-            print(f"{'turn':>4} {'chars':>6} {'tokens':>6}  {'source':<6} {'cached':>6} {'encoded':>7}  "
-                  f"{'sidecar µs':>10} {'in-process µs':>13}  ids")
-            for turn, messages in enumerate(conversation(), 1):
-                t0 = time.perf_counter()
-                r = client.tokenize("qwen3", messages=messages, tools=TOOLS, add_generation_prompt=True)
-                sidecar_us = (time.perf_counter() - t0) * 1e6
-                t0 = time.perf_counter()
+            m = _wait_ready(client, proc)
+            t0 = time.perf_counter()
+            client.tokenize("qwen3", text="warm up")  # maps the segment, loads the encoder: once
+            print(f"model {m.name}: tokenizer fingerprint {m.fingerprint}, encoder {m.backend}, "
+                  f"{m.boundary_tokens} boundary tokens\nclient: reads segment {m.shm_name} in this process "
+                  f"(attached in {(time.perf_counter() - t0) * 1000:.0f} ms)\n")
+            print(f"{'turn':>4} {'prompt':>7} {'prefilled':>10} {'prefilled':>10}  {'decision':<8} {'from cache':>10} "
+                  f"{'encoded':>8} {'tokcache':>9} {'tokenizers':>10}  ids")
+            print(f"{'':>4} {'':>7} {'vLLM alone':>10} {'tokcache':>10}  {'':<8} {'':>10} {'':>8} {'':>9} "
+                  f"{'(vLLM)':>10}")
+            print(f"{'':>4} {'tokens':>7} {'tokens':>10} {'tokens':>10}  {'':<8} {'tokens':>10} {'chars':>8} "
+                  f"{'µs':>9} {'µs':>10}")
+            messages: list[dict[str, Any]] = [{"role": "system", "content": "You are a careful coding agent."}]
+            held_alone: list[int] | None = None  # the ids vLLM holds KV for after the last turn
+            held_tc: list[int] | None = None
+            totals = {"alone": 0, "tc": 0}
+            for turn, (question, answer) in enumerate(zip(QUESTIONS, ANSWERS, strict=True), 1):
+                messages.append({"role": "user", "content": question})
                 text = renderer.render(messages, tools=TOOLS, add_generation_prompt=True)
-                ref = reference.encode(text, add_special_tokens=False).ids
-                local_us = (time.perf_counter() - t0) * 1e6
-                same = "identical" if r.token_ids == ref else "MISMATCH"
+                t0 = time.perf_counter()
+                canonical = encode(text)
+                plain_us = (time.perf_counter() - t0) * 1e6
+                t0 = time.perf_counter()
+                r = client.tokenize("qwen3", text=text, add_special_tokens=False)
+                tc_us = (time.perf_counter() - t0) * 1e6
+                ids = r.token_ids
+
+                def prefilled(prompt: list[int], held: list[int] | None) -> int:
+                    reused = 0 if held is None else common_prefix(prompt, held) // BLOCK * BLOCK
+                    return len(prompt) - reused
+
+                alone, tc = prefilled(canonical, held_alone), prefilled(ids, held_tc)
+                if turn > 1:
+                    totals["alone"] += alone
+                    totals["tc"] += tc
                 d = r.decision
-                print(f"{turn:>4} {len(text):>6} {len(ref):>6}  {d.source:<6} {d.cached_tokens:>6} "
-                      f"{d.encoded_chars:>7}  {sidecar_us:>10.0f} {local_us:>13.0f}  {same}")
-                if same != "identical":
-                    return 1
-            # The same conversation again: every turn is now an exact (L0) hit.
-            r = client.tokenize("qwen3", messages=conversation()[-1], tools=TOOLS, add_generation_prompt=True)
-            print(f"\nreplaying the last turn: source {r.decision.source}, "
-                  f"{r.decision.cached_tokens} of {len(r.token_ids)} tokens from the cache")
+                check = "canonical" if ids == canonical else "model's own"
+                print(f"{turn:>4} {len(ids):>7} {alone:>10} {tc:>10}  {d.source:<8} {d.cached_tokens:>10} "
+                      f"{d.encoded_chars:>8} {tc_us:>9.0f} {plain_us:>10.0f}  {check}")
+                # The model answers; vLLM then holds KV for the prompt + the generated ids.
+                generated = model_ids(answer, encode, table, specials)
+                held_alone = canonical + generated
+                held_tc = ids + generated
+                client.record_output("qwen3", prompt_text=text, prompt_token_ids=ids, output_text=answer,
+                                     output_token_ids=[*generated, 151645])  # + <|im_end|> (EOS)
+                messages.append({"role": "assistant", "content": answer})
+            print(f"\nturns 2-{len(QUESTIONS)}: vLLM prefills {totals['alone']} prompt tokens alone, "
+                  f"{totals['tc']} with tokcache ({totals['alone'] / max(1, totals['tc']):.1f}x fewer)")
+            print(f"prefilled = prompt tokens past the longest prefix vLLM still holds KV for (the previous prompt "
+                  f"+ the ids the model generated), in {BLOCK}-token blocks.\nvLLM alone re-tokenizes the "
+                  f"model's last answer into other ids, so the KV from there on is prefilled again; with "
+                  f"tokcache the recorded ids come back (decision 'ar') and only the new messages are prefilled.")
+            stats = client.stats()
+            print(f"client: {stats['tokenize']} decided in this process, {sum(stats['fallbacks'].values())} over "
+                  f"RPC; write-behind {stats['writes']}")
         return 0
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -148,9 +203,7 @@ def main() -> int:
             proc.wait(timeout=15)
         except subprocess.TimeoutExpired:
             proc.kill()
-        for entry in Path("/dev/shm").glob(f"{prefix}*"):
-            entry.unlink(missing_ok=True)
-        for entry in Path("/dev/shm").glob(f"sem.{prefix}*"):
+        for entry in [*Path("/dev/shm").glob(f"{prefix}*"), *Path("/dev/shm").glob(f"sem.{prefix}*")]:
             entry.unlink(missing_ok=True)
         log.close()
         if proc.returncode not in (0, -signal.SIGTERM):

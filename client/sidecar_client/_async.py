@@ -75,7 +75,8 @@ class AsyncSidecarClient:
             pass
 
     async def _local_result(self, model: str, text: str, add_special_tokens: bool | None,
-                            cache_salt: str | None, mode: str | None) -> TokenizeResult | None:
+                            cache_salt: str | None, mode: str | None,
+                            trace: Sequence[tuple[str, str]] = ()) -> TokenizeResult | None:
         local = self.local
         assert local is not None
         if not local.knows(model) and time.monotonic() - self._models_at > 1.0:
@@ -84,7 +85,8 @@ class AsyncSidecarClient:
                 local.set_models(await self.list_models())
             except TokcacheError:
                 pass  # the RPC path reports it
-        return local.tokenize(model, text, add_special_tokens=add_special_tokens, cache_salt=cache_salt, mode=mode)
+        return local.tokenize(model, text, add_special_tokens=add_special_tokens, cache_salt=cache_salt, mode=mode,
+                              trace=trace)
 
     def stats(self) -> dict[str, dict[str, int]]:
         """See :meth:`SidecarClient.stats`."""
@@ -119,7 +121,8 @@ class AsyncSidecarClient:
                                  chat_template_kwargs=chat_template_kwargs,
                                  add_special_tokens=add_special_tokens, cache_salt=cache_salt, mode=mode,
                                  return_prompt_text=return_prompt_text)
-            local = await self._local_result(model, text, add_special_tokens, cache_salt, mode)
+            local = await self._local_result(model, text, add_special_tokens, cache_salt, mode,
+                                             (*self._metadata, *(metadata or ())))
             if local is not None:
                 return local
         plan = _core.TokenizePlan(self._results, model, text=text, messages=messages, tools=tools,

@@ -31,7 +31,7 @@ import queue
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -411,7 +411,7 @@ class LocalPaths:
         return local
 
     def tokenize(self, model: str, text: str, *, add_special_tokens: bool | None, cache_salt: str | None,
-                 mode: str | None) -> TokenizeResult | None:
+                 mode: str | None, trace: Sequence[tuple[str, str]] = ()) -> TokenizeResult | None:
         """The result decided in this process, or None (the RPC path serves; counted).
 
         Bad input raises the client's typed errors, as the RPC would.
@@ -439,7 +439,7 @@ class LocalPaths:
                                  boundaries=d.boundaries, l1_disabled_reason=d.l1_disabled_reason)
         out = TokenizeResult(token_ids=result.ids, fingerprint=local.fingerprint, decision=decision,
                              backend=local.model.encoder.name, served_by="local")
-        trace_local(model, local.fingerprint, out, mode, bool(cache_salt), t0)
+        trace_local(model, local.fingerprint, out, mode, bool(cache_salt), t0, trace)
         return out
 
     def _fallback(self, model: str, reason: str, message: str) -> None:

@@ -75,7 +75,8 @@ class SidecarClient:
                 local.set_models(self.list_models())
             except TokcacheError:
                 pass  # the RPC path reports it
-        return local.tokenize(model, text, add_special_tokens=add_special_tokens, cache_salt=cache_salt, mode=mode)
+        return local.tokenize(model, text, add_special_tokens=add_special_tokens, cache_salt=cache_salt, mode=mode,
+                              trace=self._metadata)
 
     def stats(self) -> dict[str, dict[str, int]]:
         """What the in-process path did: ``tokenize`` by source, ``fallbacks`` to RPC by

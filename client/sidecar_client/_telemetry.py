@@ -1,16 +1,22 @@
-"""Spans for decisions made in the client's process (OpenTelemetry API, if installed).
+"""Spans for decisions made in the client's process (OpenTelemetry, if installed and asked for).
 
-A Tokenize answered in-process never reaches the sidecar, so its cache decision would
-be invisible in traces. It gets a ``tokcache.Tokenize`` span here, under the caller's
-current span (vLLM's request span in the plugin), with the same ``tokcache.*``
+A Tokenize answered in-process never reaches the sidecar, so its cache decision would be
+invisible in traces. It gets a ``tokcache.Tokenize`` span here, with the ``tokcache.*``
 attributes the sidecar puts on its own ``Tokenize`` spans and ``tokcache.served_by =
-"local"``. Without ``opentelemetry-api`` installed, or with no SDK configured (a
-non-recording tracer), this costs a check and nothing else.
+"local"``, under the caller's span: the W3C ``traceparent`` the caller passed (the vLLM
+plugin passes the request's), else the current OpenTelemetry context.
+
+Where spans go: the process's own SDK tracer provider when it has one; else, when the
+standard ``OTEL_*`` variables ask for an exporter (``OTEL_TRACES_EXPORTER=console|otlp``),
+a provider of this library's own with that exporter; else nowhere, for the cost of a
+check once a second.
 """
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -20,38 +26,71 @@ __all__ = ["trace_local"]
 
 try:
     from opentelemetry import trace as _otel_trace
-except ImportError:  # pragma: no cover - the API ships with the sidecar's dependencies
+    from opentelemetry.propagate import extract as _extract
+except ImportError:  # pragma: no cover - the API ships with the client's dependencies
     _otel_trace = None  # type: ignore[assignment]
+    _extract = None  # type: ignore[assignment]
 
+_RECHECK_S = 1.0
+# Guards the three below: which tracer to use and when that was decided.
+_lock = threading.Lock()
 _tracer: Any = None
-# Whether an SDK tracer provider is installed, and when that was last looked at: an SDK
-# is usually set up once at start, so this is checked once a second, not per request.
-_sdk = False
-_sdk_checked = -1.0
-_SDK_RECHECK_S = 1.0
+_checked = -1.0
+_own_provider: Any = None  # made once from OTEL_* when the process has no SDK provider
 
 
-def _tracing_on() -> bool:
-    global _sdk, _sdk_checked
+def _current_tracer() -> Any:  # noqa: ANN401 - an OpenTelemetry Tracer or None
+    global _tracer, _checked, _own_provider
     now = time.monotonic()
-    if now - _sdk_checked >= _SDK_RECHECK_S:
-        _sdk_checked = now
-        _sdk = _otel_trace is not None and not isinstance(_otel_trace.get_tracer_provider(),
-                                                           _otel_trace.ProxyTracerProvider)
-    return _sdk
+    if now - _checked < _RECHECK_S:
+        return _tracer
+    with _lock:
+        _checked = now
+        provider = _otel_trace.get_tracer_provider() if _otel_trace is not None else None
+        if provider is not None and not isinstance(provider, _otel_trace.ProxyTracerProvider):
+            _tracer = provider.get_tracer("sidecar_client")
+        elif _own_provider is not None:
+            _tracer = _own_provider.get_tracer("sidecar_client")
+        else:
+            _tracer = _make_own_tracer()
+        return _tracer
 
 
-def trace_local(model: str, fingerprint: str, result: TokenizeResult, mode: str, salted: bool, start_ns: int) -> None:
-    """Record one in-process Tokenize as a span (started at perf_counter ``start_ns``). Never raises."""
-    global _tracer
-    if _otel_trace is None or not _tracing_on():
-        return  # no SDK: nothing would be recorded
+def _make_own_tracer() -> Any:  # noqa: ANN401
+    global _own_provider
+    from tokcache.tracing import exporter_from_env
+
+    exporter = exporter_from_env()
+    if exporter is None:
+        return None
     try:
-        if _tracer is None:
-            _tracer = _otel_trace.get_tracer("sidecar_client")
+        import os
+
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    except ImportError:
+        return None
+    _own_provider = TracerProvider(resource=Resource.create(
+        {"service.name": os.environ.get("OTEL_SERVICE_NAME", "tokcache-client")}))
+    _own_provider.add_span_processor(BatchSpanProcessor(exporter))
+    return _own_provider.get_tracer("sidecar_client")
+
+
+def trace_local(model: str, fingerprint: str, result: TokenizeResult, mode: str, salted: bool, start_ns: int,
+                carrier: Sequence[tuple[str, str]] = ()) -> None:
+    """Record one in-process Tokenize as a span (started at perf_counter ``start_ns``), a child
+    of the W3C context in ``carrier`` (traceparent/tracestate) or else the current one. Never raises."""
+    if _otel_trace is None:
+        return
+    try:
+        tracer = _current_tracer()
+        if tracer is None:
+            return
+        context = _extract({k.lower(): v for k, v in carrier}) if carrier else None
         elapsed = time.perf_counter_ns() - start_ns
         end = time.time_ns()
-        span = _tracer.start_span("tokcache.Tokenize", start_time=end - elapsed)
+        span = tracer.start_span("tokcache.Tokenize", context=context, start_time=end - elapsed)
         if span.is_recording():
             d = result.decision
             span.set_attributes({

@@ -135,7 +135,10 @@ def stack(request: pytest.FixtureRequest, workdir: Path, model_dir: Path, shm_pr
             "baseline": lambda: VllmServer(workdir, "baseline", model_dir, ["--tokenizer-mode", "auto", *details],
                                            api_servers=1),
             "plugin": lambda: VllmServer(workdir, "plugin", model_dir, ["--tokenizer-mode", "tokcache", *details],
-                                         env={**PLUGIN_ENV, "TOKCACHE_ADDRESS": sidecar.address}, api_servers=1),
+                                         env={**PLUGIN_ENV, "TOKCACHE_ADDRESS": sidecar.address,
+                                              # in-process decisions as spans on vLLM's log (the trace test)
+                                              "OTEL_TRACES_EXPORTER": "console", "OTEL_BSP_SCHEDULE_DELAY": "100"},
+                                         api_servers=1),
             "mismatch": lambda: VllmServer(workdir, "mismatch", model_dir, ["--tokenizer-mode", "tokcache"],
                                            env={**PLUGIN_ENV, "TOKCACHE_ADDRESS": wrong.address,
                                                 "TOKCACHE_MODEL": "qwen3"}),

@@ -144,21 +144,31 @@ def test_salted_conversation_is_exact(plugin: VllmServer, decode: Callable[[list
 
 def test_trace_context_reaches_the_sidecar(plugin: VllmServer, sidecar: Sidecar,
                                            report: Callable[[str], None]) -> None:
+    """The request's W3C context reaches both halves of the work: the cache decision, made in
+    vLLM's process from shared memory (a ``tokcache.Tokenize`` span exported by the plugin,
+    OTEL_TRACES_EXPORTER=console), and the sidecar's RecordOutputs."""
     trace_id, parent = uuid.uuid4().hex, uuid.uuid4().hex[:16]
     body = {"model": plugin.model, "messages": [{"role": "user", "content": f"trace me {trace_id[:6]}"}],
             "max_tokens": 4, "logit_bias": BANNED}
     plugin.post("/v1/chat/completions", body, headers={"traceparent": f"00-{trace_id}-{parent}-01",
                                                         "tracestate": "vendor=tokcache-e2e"})
 
-    def spans() -> dict[str, dict[str, Any]]:
+    def spans(log: str) -> dict[str, dict[str, Any]]:
         found = {}
-        for s in span_objects(sidecar.log_tail(400_000)):
+        for s in span_objects(log):
             if s["context"]["trace_id"] == f"0x{trace_id}":
                 found[s["name"].rsplit("/", 1)[-1]] = s
         return found
 
-    assert wait_until(lambda: {"Tokenize", "RecordOutputs"} <= set(spans()), 10), sidecar.log_tail(3000)
-    got = spans()
-    assert got["Tokenize"]["parent_id"] == f"0x{parent}"  # from the HTTP request, via the ASGI middleware
+    assert wait_until(lambda: "RecordOutputs" in spans(sidecar.log_tail(400_000)), 10), sidecar.log_tail(3000)
+    assert wait_until(lambda: "tokcache.Tokenize" in spans(plugin.log_text()), 10), plugin.log_tail(3000)
+    local = spans(plugin.log_text())["tokcache.Tokenize"]
+    assert local["parent_id"] == f"0x{parent}"  # from the HTTP request, via the ASGI middleware
+    assert local["attributes"]["tokcache.served_by"] == "local"
+    assert local["attributes"]["tokcache.source"] in ("miss", "l0", "l1", "ar")
+    got = spans(sidecar.log_tail(400_000))
+    assert "Tokenize" not in got  # decided in vLLM's process: no RPC
     assert got["RecordOutputs"]["parent_id"] == f"0x{parent}"  # from AsyncLLM.generate's trace_headers
-    report(f"trace context: sidecar spans Tokenize and RecordOutputs in trace {trace_id}, parent {parent}")
+    report(f"trace context: tokcache.Tokenize span (decided in vLLM's process, source "
+           f"{local['attributes']['tokcache.source']}) and the sidecar's RecordOutputs span in trace {trace_id}, "
+           f"parent {parent}")

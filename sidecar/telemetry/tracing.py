@@ -23,36 +23,15 @@ from opentelemetry import trace
 from opentelemetry.propagate import extract
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+from tokcache.tracing import exporter_from_env
 
 log = logging.getLogger(__name__)
 
 __all__ = ["Tracing", "exporter_from_env"]
 
 TRACER_NAME = "tokcache.sidecar"
-
-
-def exporter_from_env(env: Mapping[str, str] | None = None) -> SpanExporter | None:
-    """The span exporter the OTEL_* variables ask for, or None (tracing off)."""
-    env = os.environ if env is None else env
-    choice = env.get("OTEL_TRACES_EXPORTER", "").strip().lower()
-    if not choice:
-        endpoint = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
-        choice = "otlp" if endpoint else "none"
-    if choice == "none":
-        return None
-    if choice == "console":
-        return ConsoleSpanExporter()
-    if choice == "otlp":
-        try:
-            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-        except ImportError:
-            log.error("OTEL_TRACES_EXPORTER=otlp but opentelemetry-exporter-otlp-proto-grpc is not "
-                      "installed (pip install 'tokcache[otlp]'); tracing off")
-            return None
-        return OTLPSpanExporter()
-    log.error("OTEL_TRACES_EXPORTER=%r is not one of otlp, console, none; tracing off", choice)
-    return None
 
 
 class Tracing:

@@ -91,9 +91,15 @@ class PluginRuntime:
         pending = [f for f in waits if not f.done()]
         if not pending or self.config.record_wait_s <= 0:
             return
+        if self.link.breaker.state == "open":
+            return  # the sidecar is failing: its records will not come back in time either
         t0 = time.perf_counter()
         _, still = await asyncio.wait(pending, timeout=self.config.record_wait_s)
         self.stats.observe_record_wait(time.perf_counter() - t0, timed_out=bool(still))
+        if still:
+            # A sidecar that cannot take a record in time (hung, overloaded) counts as a
+            # failure: after a few, the breaker opens and responses stop waiting.
+            self.link.breaker.failure()
 
     def start_request(self, prompt: Any, *, delta: bool,
                       trace_headers: Mapping[str, str] | None) -> RequestRecorder | None:
