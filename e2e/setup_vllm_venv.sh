@@ -72,7 +72,9 @@ fi
 mapfile -t DEPS < <("$VENV/bin/python" - "$ROOT/pyproject.toml" <<'EOF'
 import sys, tomllib
 with open(sys.argv[1], "rb") as f:
-    print("\n".join(tomllib.load(f)["project"]["dependencies"]))
+    project = tomllib.load(f)["project"]
+    # The e2e runs the sidecar in this venv too: the client's dependencies and the server's.
+    print("\n".join(project["dependencies"] + project["optional-dependencies"]["server"]))
 EOF
 )
 WANT="$(printf '%s\n' "${DEPS[@]}" "${TEST_PKGS[@]}" "${TOKENIZER_PKGS[@]}")"

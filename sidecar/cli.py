@@ -271,8 +271,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     _clean_parser(sub)
     _health_parser(sub)
     ns = parser.parse_args(argv)
+    if ns.command in ("serve", "health"):
+        missing = _missing_server_modules()
+        if missing:
+            return _fail(f"the sidecar needs the 'server' extra (missing: {', '.join(missing)}): "
+                         "pip install 'tokcache[server]'", 2)
     commands = {"serve": _serve, "stats": _stats, "clean": _clean, "health": _health}
     return commands[ns.command](ns)
+
+
+# The server's own dependencies (the `server` extra); a client install does not have them.
+_SERVER_MODULES = ("grpc_health", "grpc_reflection", "jinja2", "opentelemetry.sdk", "prometheus_client")
+
+
+def _missing_server_modules() -> list[str]:
+    import importlib.util
+
+    out = []
+    for name in _SERVER_MODULES:
+        try:
+            if importlib.util.find_spec(name) is None:
+                out.append(name)
+        except ImportError:  # a parent package is missing
+            out.append(name)
+    return out
 
 
 if __name__ == "__main__":

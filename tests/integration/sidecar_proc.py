@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from sidecar_client import SidecarClient, SidecarUnavailable
+from sidecar_client import DeadlineExceeded, SidecarClient, SidecarUnavailable
 
 
 class SidecarProcess:
@@ -38,7 +38,7 @@ class SidecarProcess:
                 try:
                     if client.list_models():
                         return self
-                except SidecarUnavailable:
+                except (SidecarUnavailable, DeadlineExceeded):  # loading can starve the loop for 2 s
                     pass
                 time.sleep(0.1)
         self.kill()
