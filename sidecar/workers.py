@@ -198,7 +198,7 @@ class Supervisor:
 
         from tokcache.sidecar.engine.model import fingerprint_of
         from tokcache.sidecar.pressure import PressureMonitor, PressurePolicy
-        from tokcache.store import Kind, Store, id_bytes_for
+        from tokcache.store import Kind, Store, id_bytes_for, segment_name, usable_size
 
         cfg = self.config
         ttl = {Kind.L0: cfg.ttl_l0, Kind.L1: cfg.ttl_l1, Kind.AR: cfg.ttl_ar}
@@ -210,7 +210,12 @@ class Supervisor:
                 # We create the segments before any worker starts, so the id width is ours to pick:
                 # the same vocabulary size the workers' engines compute (ModelEngine.vocab_size).
                 vocab = Tokenizer.from_file(str(tokenizer_json)).get_vocab_size(with_added_tokens=True)
-                stores[fp] = Store.open(prefix=cfg.shm_prefix, fingerprint=fp, size=cfg.shm_size, ttl=ttl,
+                # Sized to what /dev/shm can back, as one server does (the workers then attach
+                # to this segment: usable_size keeps an existing segment's size when it fits).
+                size, why = usable_size(segment_name(cfg.shm_prefix, fp), cfg.shm_size, minimum=1 << 20)
+                if why:
+                    log.warning("--shm-size %d bytes does not fit: %s; using %d bytes", cfg.shm_size, why, size)
+                stores[fp] = Store.open(prefix=cfg.shm_prefix, fingerprint=fp, size=size, ttl=ttl,
                                         id_bytes=id_bytes_for(vocab))
         if cfg.pressure_interval <= 0:
             return None, list(stores.values())

@@ -95,6 +95,8 @@ class ModelEngine:
             i for i, t in self.reference.tokenizer.get_added_tokens_decoder().items() if t.special)
         self.limits = limits or Limits()
         self.memo: ChainMemo[bytes] = ChainMemo(BYTES)
+        self._store_failures = 0  # failed store writes, and when one was last logged (monotonic)
+        self._store_failure_logged = 0.0
         self.lookup = Lookup(model, store, self.memo, self.limits)
         self._store = store
         choice = self.proven.choice
@@ -172,8 +174,8 @@ class ModelEngine:
         t0 = time.perf_counter_ns()
         try:
             commit(self.store, self.memo, write)
-        except StoreError:
-            log.exception("store write failed; result served uncached")
+        except StoreError as exc:
+            self._store_failed(exc, "result served uncached")
             write.decision.store_errors += 1
         write.decision.timings["insert"] = (t0, time.perf_counter_ns())
 
@@ -252,9 +254,23 @@ class ModelEngine:
         assert self.store is not None
         try:
             return len(keys) if self.store.put(parent, parent_tokens, ids, keys, Kind.AR) else 0
-        except StoreError:
-            log.exception("store write failed; output not recorded")
+        except StoreError as exc:
+            self._store_failed(exc, "output not recorded")
             return 0
+
+    def _store_failed(self, exc: StoreError, consequence: str) -> None:
+        """Log a failed store write: the first in full, then one line a minute with the count.
+
+        A full /dev/shm fails every write while it lasts; a traceback per request would
+        flood the log (the metric tokcache_store_fallbacks_total counts them all)."""
+        now = time.monotonic()
+        self._store_failures += 1
+        if self._store_failures == 1:
+            log.exception("store write failed (%s); %s", exc, consequence)
+            self._store_failure_logged = now
+        elif now - self._store_failure_logged >= 60.0:
+            log.warning("store writes failing: %d so far, latest: %s; %s", self._store_failures, exc, consequence)
+            self._store_failure_logged = now
 
     def _decode(self, ids: list[int]) -> str:
         return str(self.reference.tokenizer.decode(ids, skip_special_tokens=False))

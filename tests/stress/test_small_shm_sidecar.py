@@ -33,8 +33,8 @@ pytestmark = pytest.mark.skipif(namespace_unavailable() is not None,
                                 reason=f"needs a private mount namespace: {namespace_unavailable()}")
 
 
-def _sidecar(tmp: Path, prefix: str, tmpfs: str, shm_size: str, *extra: str) -> SidecarProc:
-    side = SidecarProc(tmp, prefix, *extra, shm_size=shm_size)
+def _sidecar(tmp: Path, prefix: str, tmpfs: str, shm_size: str, *extra: str, workers: int = 1) -> SidecarProc:
+    side = SidecarProc(tmp, prefix, *extra, shm_size=shm_size, workers=workers)
     side.cmd = in_small_tmpfs(tmpfs, side.cmd)
     return side
 
@@ -130,6 +130,19 @@ def test_sidecar_clamps_shm_size_to_the_tmpfs_and_serves(tmp_path: Path, shm_pre
         work = _workload(500)
         _serve_all(side, work, work.items)
         assert "Bus error" not in side.log()
+    finally:
+        assert side.stop() == 0
+
+
+def test_workers_clamp_shm_size_too(tmp_path: Path, shm_prefix: str) -> None:
+    """--workers: the supervisor creates the segment (sized to the tmpfs), the workers attach to it."""
+    side = _sidecar(tmp_path, shm_prefix, "8m", "64MiB", workers=2).start()
+    try:
+        assert re.search(r"--shm-size 67108864 bytes does not fit: /dev/shm can back", side.log()), side.log()
+        assert _segment(side).stat().st_size < 8 * MIB
+        work = _workload(100)
+        _serve_all(side, work, work.items)
+        assert "Bus error" not in side.log() and "Traceback" not in side.log()
     finally:
         assert side.stop() == 0
 
