@@ -89,7 +89,7 @@ proto: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check sidecar client/sidecar_client tests bench scripts e2e
-	$(VENV)/bin/mypy sidecar client/sidecar_client
+	MYPY=$(CURDIR)/$(VENV)/bin/mypy bash scripts/typecheck.sh
 
 clean:
 	rm -rf $(VENV) .venv-vllm $(EXTRA_VENVS) build *.egg-info

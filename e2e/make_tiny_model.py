@@ -30,7 +30,7 @@ CONFIG = {
     "num_key_value_heads": 2,
     "head_dim": 64,
     "vocab_size": 151936,
-    "max_position_embeddings": 4096,
+    "max_position_embeddings": 8192,  # the harness serves --max-model-len 8192
     "max_window_layers": 2,
     "hidden_act": "silu",
     "rms_norm_eps": 1e-6,

@@ -134,7 +134,9 @@ def main() -> int:
         renderer = ChatRenderer.from_dir(model_dir)
         assert renderer is not None
         reference = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-        table = TokenBytes.from_tokenizer_json(model_dir / "tokenizer.json")._table
+        token_bytes = TokenBytes.from_tokenizer_json(model_dir / "tokenizer.json")
+        assert token_bytes is not None  # Qwen3's byte-level BPE has a byte table
+        table = token_bytes._table
         specials = {i for i, t in reference.get_added_tokens_decoder().items() if t.special}
 
         def encode(text: str) -> list[int]:

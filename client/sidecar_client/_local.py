@@ -225,7 +225,7 @@ class LocalModel:
         self.model = model
         self.fingerprint = model.fingerprint
         self.memo = memo
-        self.lookup: Lookup[Chunks] = Lookup(model, reader, memo, limits)
+        self.lookup: Lookup[Chunks, list[int]] = Lookup(model, reader, memo, limits)
         self.writer = writer
         self._writable = writable
         self._manifest_raw = manifest_raw
@@ -299,7 +299,8 @@ class LocalModel:
                 self._stale = self.reader.replaced or self.reader.manifest() != self._manifest_raw
         return self._stale
 
-    def tokenize(self, text: str, *, add_special_tokens: bool, salt: str, mode: str) -> Result[list[int]] | None:
+    def tokenize(self, text: str, *, add_special_tokens: bool, salt: str,
+                 mode: str) -> Result[Chunks, list[int]] | None:
         """Ids of ``text`` decided in this process, or None when the mapping is stale.
 
         Raises the engine's InvalidRequest / RequestTooLarge for bad input, like the RPC.

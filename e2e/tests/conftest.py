@@ -1,16 +1,18 @@
-"""Session fixtures: the tiny model, three sidecars, four vLLM servers started in parallel.
+"""Session fixtures: the tiny model, three sidecars, five vLLM servers started in parallel.
 
 - ``sidecar``: serves the model's own tokenizer (Qwen3) as ``qwen3``.
 - ``wrong_sidecar``: serves the Llama 3.2 tokenizer under the same name ``qwen3``.
 - ``node_sidecar``: the model's tokenizer again, for ``api2`` (the fail-open test kills ``sidecar``).
-- ``baseline``: vLLM without the plugin (``--tokenizer-mode auto``).
+- ``baseline``: vLLM's own tokenizer: ``--tokenizer-mode tokcache`` with ``TOKCACHE_OBSERVE_ONLY=1``,
+  i.e. the plugin never uses a sidecar and only times vLLM's tokenization (its ids are vLLM's).
+- ``fastokens``: the same with ``VLLM_USE_FASTOKENS=1`` and ``FASTOKENS_SEGMENT_CACHE=64`` (MiB).
 - ``plugin``: ``--tokenizer-mode tokcache`` against ``sidecar``.
 - ``mismatch``: ``--tokenizer-mode tokcache`` against ``wrong_sidecar`` (``TOKCACHE_MODEL=qwen3``).
 - ``api2``: ``--tokenizer-mode tokcache --api-server-count 2`` against ``node_sidecar``, its
   prometheus multiprocess directory at ``<workdir>/prom-api2`` (read per process by a test).
 
-``baseline``, ``plugin`` and ``api2`` run vLLM's CLI (``vllm serve``; ``baseline`` and ``plugin``
-with ``--api-server-count 1``) with ``--enable-prompt-tokens-details``; ``mismatch`` runs
+``baseline``, ``fastokens``, ``plugin`` and ``api2`` run vLLM's CLI (``vllm serve``; all but
+``api2`` with ``--api-server-count 1``) with ``--enable-prompt-tokens-details``; ``mismatch`` runs
 ``python -m vllm.entrypoints.openai.api_server``.
 
 The vLLM servers are launched together at the start of the session (startup
@@ -116,7 +118,7 @@ def stack(request: pytest.FixtureRequest, workdir: Path, model_dir: Path, shm_pr
           llama_dir: Path) -> Iterator[dict[str, object]]:
     """Start the sidecars, launch the vLLM servers at once (no waiting); stop everything after.
 
-    Only the servers the selected tests use are launched (all four in ``make e2e``).
+    Only the servers the selected tests use are launched (all five in ``make e2e``).
     """
     wanted = {name for item in request.session.items for name in getattr(item, "fixturenames", ())}
     procs: dict[str, object] = {}
@@ -131,9 +133,16 @@ def stack(request: pytest.FixtureRequest, workdir: Path, model_dir: Path, shm_pr
         prom = workdir / "prom-api2"  # vLLM wants it empty at start
         shutil.rmtree(prom, ignore_errors=True)
         prom.mkdir()
+        # vLLM tokenizes every prompt itself; the plugin only times it (path "vllm"). No
+        # sidecar is used: the address names a socket nobody listens on.
+        observe = {"TOKCACHE_OBSERVE_ONLY": "1", "TOKCACHE_ADDRESS": f"unix://{workdir}/no-sidecar.sock"}
         servers = {
-            "baseline": lambda: VllmServer(workdir, "baseline", model_dir, ["--tokenizer-mode", "auto", *details],
-                                           api_servers=1),
+            "baseline": lambda: VllmServer(workdir, "baseline", model_dir, ["--tokenizer-mode", "tokcache", *details],
+                                           env=observe, api_servers=1),
+            "fastokens": lambda: VllmServer(workdir, "fastokens", model_dir,
+                                            ["--tokenizer-mode", "tokcache", *details],
+                                            env={**observe, "VLLM_USE_FASTOKENS": "1",
+                                                 "FASTOKENS_SEGMENT_CACHE": "64"}, api_servers=1),
             "plugin": lambda: VllmServer(workdir, "plugin", model_dir, ["--tokenizer-mode", "tokcache", *details],
                                          env={**PLUGIN_ENV, "TOKCACHE_ADDRESS": sidecar.address,
                                               # in-process decisions as spans on vLLM's log (the trace test)
@@ -151,7 +160,8 @@ def stack(request: pytest.FixtureRequest, workdir: Path, model_dir: Path, shm_pr
                 procs[name] = make().launch()
         yield procs
     finally:
-        for name in ("baseline", "plugin", "mismatch", "api2", "sidecar", "wrong_sidecar", "node_sidecar"):
+        for name in ("baseline", "fastokens", "plugin", "mismatch", "api2", "sidecar", "wrong_sidecar",
+                     "node_sidecar"):
             proc = procs.get(name)
             if proc is not None:
                 proc.stop()  # type: ignore[attr-defined]
@@ -180,6 +190,11 @@ def baseline(stack: dict[str, object], report: Callable[[str], None]) -> VllmSer
 
 
 @pytest.fixture(scope="session")
+def fastokens(stack: dict[str, object], report: Callable[[str], None]) -> VllmServer:
+    return _server(stack, "fastokens", report)
+
+
+@pytest.fixture(scope="session")
 def plugin(stack: dict[str, object], report: Callable[[str], None]) -> VllmServer:
     return _server(stack, "plugin", report)
 
@@ -192,8 +207,6 @@ def mismatch(stack: dict[str, object], report: Callable[[str], None]) -> VllmSer
 @pytest.fixture(scope="session")
 def api2(stack: dict[str, object], report: Callable[[str], None]) -> VllmServer:
     return _server(stack, "api2", report)
-
-
 
 
 @pytest.fixture(scope="session")

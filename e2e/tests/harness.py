@@ -33,6 +33,9 @@ KV_CACHE_BYTES = 128 * 1024 * 1024
 # shared by four vLLM servers, three sidecars and other jobs a sidecar call has been seen to
 # stall for 0.75 s (a 0.2 ms encode took 0.34 s), and a missed deadline is a fallback: a lost turn.
 DEADLINE_S = 2.0
+# Room for the agent conversations of test_06 (a 25 KB system prompt, ~6.7K tokens, plus six
+# turns); make_tiny_model.py's max_position_embeddings matches.
+MAX_MODEL_LEN = 8192
 
 
 def free_port() -> int:
@@ -142,7 +145,7 @@ class VllmServer:
         self.model = str(model_dir)
         self.api_servers = api_servers
         self.log_path = workdir / f"vllm-{name}.log"
-        common = ["--load-format", "dummy", "--dtype", "bfloat16", "--max-model-len", "4096",
+        common = ["--load-format", "dummy", "--dtype", "bfloat16", "--max-model-len", str(MAX_MODEL_LEN),
                   "--enable-prefix-caching", "--block-size", str(BLOCK_SIZE), "--enforce-eager",
                   "--kv-cache-memory-bytes", str(KV_CACHE_BYTES), "--host", "127.0.0.1", "--port", str(self.port)]
         if api_servers is None:
@@ -151,8 +154,9 @@ class VllmServer:
         else:
             self.cmd = [sys.executable, str(ROOT / "e2e" / "vllm_cli.py"), "serve", str(model_dir), *common,
                         "--api-server-count", str(api_servers), *args]
-        clean = {k: v for k, v in os.environ.items() if not k.startswith("TOKCACHE_")
-                 and k.upper() not in ("PROMETHEUS_MULTIPROC_DIR", "VLLM_CPU_KVCACHE_SPACE")}
+        # Nothing of the caller's that changes how a server tokenizes (fastokens) or counts.
+        clean = {k: v for k, v in os.environ.items() if not k.startswith(("TOKCACHE_", "FASTOKENS_"))
+                 and k.upper() not in ("PROMETHEUS_MULTIPROC_DIR", "VLLM_CPU_KVCACHE_SPACE", "VLLM_USE_FASTOKENS")}
         self.env = {**clean, "VLLM_TARGET_DEVICE": "cpu",
                     "PYTHONWARNINGS": "ignore::DeprecationWarning", **(env or {})}
         self.proc: subprocess.Popen[bytes] | None = None
@@ -248,6 +252,43 @@ QUESTIONS = [
     "What is a BPE merge? Answer with a line break in the middle.",
     "Summarise our conversation.",
 ]
+
+
+_VERBS = ("read", "write", "list", "search", "run", "patch", "fetch", "diff", "test", "build", "lint", "format")
+_NOUNS = ("file", "directory", "symbol", "commit", "branch", "issue", "log", "config", "schema", "migration",
+          "query", "trace")
+
+
+def agent_system(tools: int = 30) -> str:
+    """A coding agent's system prompt: instructions, ``tools`` JSON tool schemas and rules.
+
+    Deterministic; 30 tools make 24.7 KB, 6.7K Qwen3 tokens: the size of a real agent's
+    system prompt, where the cost of re-tokenizing the whole prompt every turn shows.
+    """
+    lines = ["You are a coding agent working in a large repository. Think step by step, call tools to inspect "
+             "the code before changing it, keep diffs minimal, run the tests after every change and report what "
+             "you did.", "", "# Tools", "",
+             'Call a tool by answering with one JSON object per line: {"name": ..., "arguments": {...}}.',
+             "Available tools:", ""]
+    for i in range(tools):
+        verb, noun = _VERBS[i % len(_VERBS)], _NOUNS[(i * 5) % len(_NOUNS)]
+        schema = {"type": "function", "function": {
+            "name": f"{verb}_{noun}_{i}",
+            "description": (f"{verb.capitalize()} a {noun} of the workspace (variant {i}). Returns a JSON object "
+                            f"with `ok`, `{noun}` and `elapsed_ms`; errors carry `code` and a human-readable "
+                            f"`message`. Use it when the user asks about the {noun}, never speculatively; at most "
+                            f"{i % 7 + 2} calls per turn."),
+            "parameters": {"type": "object", "properties": {
+                "path": {"type": "string", "description": f"Path of the {noun}, relative to the repository root."},
+                "pattern": {"type": "string", "description": "Optional glob or regular expression (Rust syntax)."},
+                "limit": {"type": "integer", "minimum": 1, "maximum": 1000 + i, "default": 100},
+                "dry_run": {"type": "boolean", "default": i % 2 == 0}},
+                "required": ["path"]}}}
+        lines.append(json.dumps(schema))
+    lines += ["", "# Rules", ""]
+    lines += [f"{k + 1}. Never touch files outside the workspace; quote paths exactly; prefer "
+              f"`{_VERBS[k % 12]}_{_NOUNS[k % 12]}` over shell commands when both work." for k in range(20)]
+    return "\n".join(lines)
 
 
 @dataclass
@@ -448,7 +489,8 @@ class ConvTurn:
 
 
 def run_conversations(server: VllmServer, *, convs: int, turns: int, stream: bool, seed: int,
-                      decode: Callable[[list[int]], str], max_tokens: int = 40) -> list[ConvTurn]:
+                      decode: Callable[[list[int]], str], max_tokens: int = 40,
+                      system: str = "You are a helpful assistant.") -> list[ConvTurn]:
     """``convs`` chats at once, each sending its next turn as soon as the previous response ended.
 
     Conversation ``c``'s turn ``k`` uses seed ``seed + 100 * c + k`` (the same
@@ -457,7 +499,7 @@ def run_conversations(server: VllmServer, *, convs: int, turns: int, stream: boo
     decode_lock = threading.Lock()  # one tokenizer object shared by the threads
 
     def conversation(c: int) -> list[ConvTurn]:
-        messages: list[dict[str, str]] = [{"role": "system", "content": "You are a helpful assistant."}]
+        messages: list[dict[str, str]] = [{"role": "system", "content": system}]
         expected: list[int] | None = None
         out: list[ConvTurn] = []
         for k in range(1, turns + 1):
@@ -477,13 +519,20 @@ def run_conversations(server: VllmServer, *, convs: int, turns: int, stream: boo
         return [t for conv in pool.map(conversation, range(convs)) for t in conv]
 
 
-def histogram(metrics: Mapping[str, float], name: str) -> list[tuple[float, float]]:
-    """The cumulative buckets ``[(le, count), ...]`` of an unlabelled histogram in :meth:`VllmServer.metrics`."""
+def histogram(metrics: Mapping[str, float], name: str, **labels: str) -> list[tuple[float, float]]:
+    """The cumulative buckets ``[(le, count), ...]`` of a histogram in :meth:`VllmServer.metrics`.
+
+    ``labels``: the series' labels besides ``le`` (none for an unlabelled histogram).
+    """
     out = []
+    prefix = name + "_bucket{"
     for key, value in metrics.items():
-        m = re.fullmatch(re.escape(name) + r'_bucket\{le="([^"]+)"\}', key)
-        if m:
-            out.append((float(m.group(1)), value))
+        if not key.startswith(prefix):
+            continue
+        found = dict(re.findall(r'(\w+)="([^"]*)"', key[len(name):]))
+        le = found.pop("le", None)
+        if le is not None and found == labels:
+            out.append((float(le), value))
     return sorted(out)
 
 
@@ -502,6 +551,55 @@ def histogram_quantile(buckets: Sequence[tuple[float, float]], q: float) -> floa
             return prev_le + (le - prev_le) * (rank - prev_count) / (count - prev_count)
         prev_le, prev_count = le, count
     return prev_le
+
+
+def delta(m1: Mapping[str, float], m0: Mapping[str, float], key: str) -> float:
+    """How much sample ``key`` of :meth:`VllmServer.metrics` grew from ``m0`` to ``m1``."""
+    return m1.get(key, 0.0) - m0.get(key, 0.0)
+
+
+def labelled(m1: Mapping[str, float], m0: Mapping[str, float], family: str, label: str) -> dict[str, int]:
+    """The non-zero increases of ``tokcache_vllm_<family>_total`` by ``label``, e.g. fallbacks by reason."""
+    prefix = f'tokcache_vllm_{family}_total{{{label}="'
+    return {k[len(prefix):-2]: int(delta(m1, m0, k)) for k in m1 if k.startswith(prefix) and delta(m1, m0, k)}
+
+
+TOKENIZE_SECONDS = "tokcache_vllm_tokenize_seconds"
+
+
+@dataclass(frozen=True)
+class Timing:
+    """A histogram's observations between two scrapes: count, mean (``_sum``/``_count``), p50 and p90
+    (:func:`histogram_quantile` in the buckets: as good as the bucket bounds around them)."""
+
+    count: int
+    mean: float | None
+    p50: float | None
+    p90: float | None
+
+    def text(self) -> str:
+        def ms(x: float | None) -> str:
+            return "-" if x is None else f"{1000 * x:.2f} ms"
+
+        return f"n={self.count} p50 {ms(self.p50)} p90 {ms(self.p90)} mean {ms(self.mean)}"
+
+
+def timing(m0: Mapping[str, float], m1: Mapping[str, float], name: str, **labels: str) -> Timing:
+    """The observations of histogram ``name`` (series ``labels``) between scrapes ``m0`` and ``m1``."""
+    before = dict(histogram(m0, name, **labels))
+    buckets = [(le, n - before.get(le, 0.0)) for le, n in histogram(m1, name, **labels)]
+    series = "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else ""
+    count = delta(m1, m0, name + "_count" + series)
+    total = delta(m1, m0, name + "_sum" + series)
+    return Timing(int(count), total / count if count else None, histogram_quantile(buckets, 0.5),
+                  histogram_quantile(buckets, 0.9))
+
+
+def tokenize_timings(m0: Mapping[str, float], m1: Mapping[str, float]) -> dict[str, Timing]:
+    """``tokcache_vllm_tokenize_seconds`` between two scrapes, by path (local, sidecar, vllm) that saw prompts."""
+    paths = {m.group(1) for k in m1 if (m := re.fullmatch(TOKENIZE_SECONDS + r'_count\{path="([^"]+)"\}', k))}
+    out = {path: timing(m0, m1, TOKENIZE_SECONDS, path=path) for path in sorted(paths)}
+    return {path: t for path, t in out.items() if t.count}
 
 
 def wait_until(predicate: Any, timeout: float, interval: float = 0.25) -> bool:

@@ -1,8 +1,8 @@
 """The point of tokcache: every turn's prompt ids extend the previous prompt + generated ids.
 
 Same conversation (same questions, seeds, temperature 1.0 on a random model,
-so answers are non-canonical token sequences) against vLLM without the plugin
-and with ``--tokenizer-mode tokcache``.
+so answers are non-canonical token sequences) against vLLM tokenizing itself
+(``baseline``: the plugin in observe-only mode, vLLM's ids) and with the plugin.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ def test_every_turn_extends_the_previous_prompt_and_output(baseline: VllmServer,
                                                           decode: Callable[[list[int]], str],
                                                           report: Callable[[str], None]) -> None:
     seed = 2 if stream else 1
-    base = run_chat(baseline, "baseline: --tokenizer-mode auto", stream=stream, seed=seed, decode=decode)
+    base = run_chat(baseline, "baseline: vLLM's tokenizer (tokcache observe-only)", stream=stream, seed=seed,
+                    decode=decode)
     tok = run_chat(plugin, "plugin: --tokenizer-mode tokcache", stream=stream, seed=seed, decode=decode)
     report(base.table())
     report(tok.table() + "\nplugin counters so far: " + plugin_counters(plugin))

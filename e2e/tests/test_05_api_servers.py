@@ -7,7 +7,7 @@ ended (the race the plugin closes: a finishing response waits until its
 RecordOutputs was answered, so the next turn finds it from any process).
 Servers (conftest), all ``vllm serve ... --enable-prompt-tokens-details``:
 ``api2`` (plugin, 2 API servers), ``plugin`` (1 API server), each with its
-own sidecar, and ``baseline`` (vLLM's own tokenizer, 1 API server).
+own sidecar, and ``baseline`` (vLLM's own tokenizer, the plugin observe-only; 1 API server).
 """
 
 from __future__ import annotations
@@ -20,9 +20,11 @@ from e2e.tests.harness import (
     BLOCK_SIZE,
     ConvTurn,
     VllmServer,
-    histogram,
-    histogram_quantile,
+    delta,
+    labelled,
     run_conversations,
+    timing,
+    tokenize_timings,
 )
 
 CONVS, TURNS = 8, 6
@@ -60,30 +62,26 @@ def exact_table(title: str, runs: Mapping[str, Sequence[ConvTurn]]) -> str:
     return "\n".join(lines)
 
 
-def _delta(m1: Mapping[str, float], m0: Mapping[str, float], key: str) -> float:
-    return m1.get(key, 0.0) - m0.get(key, 0.0)
-
-
-def _labelled(m1: Mapping[str, float], m0: Mapping[str, float], family: str, label: str) -> dict[str, int]:
-    prefix = f'tokcache_vllm_{family}_total{{{label}="'
-    return {k[len(prefix):-2]: int(_delta(m1, m0, k)) for k in m1 if k.startswith(prefix) and _delta(m1, m0, k)}
-
-
 def wait_summary(m0: Mapping[str, float], m1: Mapping[str, float], responses: int) -> tuple[str, float | None,
                                                                                            float | None]:
     """The responses' waits for their records during a run, from the plugin's histogram: (text, p50, p90)."""
-    before = dict(histogram(m0, WAIT))
-    buckets = [(le, n - before.get(le, 0.0)) for le, n in histogram(m1, WAIT)]
-    count, total = _delta(m1, m0, WAIT + "_count"), _delta(m1, m0, WAIT + "_sum")
-    p50, p90 = histogram_quantile(buckets, 0.5), histogram_quantile(buckets, 0.9)
-    timeouts = _delta(m1, m0, "tokcache_vllm_response_wait_timeouts_total")
+    t = timing(m0, m1, WAIT)
+    timeouts = delta(m1, m0, "tokcache_vllm_response_wait_timeouts_total")
 
     def ms(x: float | None) -> str:
         return "-" if x is None else f"{1000 * x:.1f} ms"
 
-    text = (f"responses held for their records: {count:.0f} of {responses} waited; p50 {ms(p50)}, p90 {ms(p90)} "
-            f"(histogram {WAIT}), mean {ms(total / count if count else None)}, timeouts {timeouts:.0f}")
-    return text, p50, p90
+    text = (f"responses held for their records: {t.count} of {responses} waited; p50 {ms(t.p50)}, p90 {ms(t.p90)} "
+            f"(histogram {WAIT}), mean {ms(t.mean)}, timeouts {timeouts:.0f}")
+    return text, t.p50, t.p90
+
+
+def reads_summary(m0: Mapping[str, float], m1: Mapping[str, float]) -> str:
+    """Where the plugin's prompts were served (local: read in vLLM's process) and how long each took."""
+    times = tokenize_timings(m0, m1)
+    return (f"prompts served {labelled(m1, m0, 'served', 'path')}; time to the ids "
+            f"(histogram tokcache_vllm_tokenize_seconds): " + "; ".join(f"{path} {t.text()}"
+                                                                          for path, t in times.items()))
 
 
 def tokenize_by_process(prom: Path) -> dict[int, int]:
@@ -113,14 +111,16 @@ def test_every_turn_extends_exactly_with_two_api_servers_and_with_one(api2: Vllm
     alone = run_conversations(baseline, convs=CONVS, turns=TURNS, stream=False, seed=SEED_BURST, decode=decode)
 
     per = {pid: n - per0.get(pid, 0) for pid, n in per1.items() if n - per0.get(pid, 0)}
-    tokenized = _delta(m1, m0, "tokcache_vllm_tokenize_total")
+    tokenized = delta(m1, m0, "tokcache_vllm_tokenize_total")
     report(exact_table(f"{CONVS} conversations x {TURNS} turns at once, each turn sent when the previous "
                        "response ended (non-stream)",
                        {"tokcache x2": two, "tokcache x1": one, "vLLM alone x1": alone}) + "\n"
            "(x2 / x1: --api-server-count 2 / 1)\n"
            f"x2 /metrics over the run (sum of both processes): tokenize +{tokenized:.0f} "
-           f"{_labelled(m1, m0, 'tokenize', 'source')}, fallbacks {_labelled(m1, m0, 'fallback', 'reason')}, "
-           f"records {_labelled(m1, m0, 'records', 'result')}\n"
+           f"{labelled(m1, m0, 'tokenize', 'source')}, fallbacks {labelled(m1, m0, 'fallback', 'reason')}, "
+           f"records {labelled(m1, m0, 'records', 'result')}\n"
+           f"x2 {reads_summary(m0, m1)}\n"
+           f"x1 {reads_summary(p0, p1)}\n"
            "x2 tokenize per API server process (its multiprocess file): "
            + ", ".join(f"pid {pid}: {n}" for pid, n in sorted(per.items())) + "\n"
            f"x2 {wait_summary(m0, m1, len(two))[0]}\n"
@@ -130,12 +130,12 @@ def test_every_turn_extends_exactly_with_two_api_servers_and_with_one(api2: Vllm
     assert all(t.exact for t in one if t.turn > 1), exact_table("plugin", {"tokcache x1": one})
     # /metrics sums the plugin's counters over both API server processes ...
     assert tokenized == CONVS * TURNS
-    assert _delta(m1, m0, "tokcache_vllm_fallback_total") == 0
-    assert _delta(m1, m0, 'tokcache_vllm_records_total{result="recorded"}') == CONVS * TURNS
-    assert _delta(m1, m0, WAIT + "_count") > 0
+    assert delta(m1, m0, "tokcache_vllm_fallback_total") == 0
+    assert delta(m1, m0, 'tokcache_vllm_records_total{result="recorded"}') == CONVS * TURNS
+    assert delta(m1, m0, WAIT + "_count") > 0
     # ... and both took part (each counted its own share in its own file).
     assert len(per) == 2 and sum(per.values()) == tokenized, per
-    assert _delta(p1, p0, "tokcache_vllm_tokenize_total") == CONVS * TURNS
+    assert delta(p1, p0, "tokcache_vllm_tokenize_total") == CONVS * TURNS
     assert any(not t.exact for t in alone if t.turn > 1), exact_table("baseline", {"vLLM alone": alone})
 
 

@@ -14,46 +14,47 @@ free.
 
 from __future__ import annotations
 
-from typing import Generic, Protocol, TypeVar
+from typing import Generic, TypeVar
 
 from tokcache.ids import unpack_ids
 
-__all__ = ["BYTES", "LISTS", "BytesFormat", "Chunks", "IdFormat", "Ids", "ListFormat"]
+__all__ = ["BYTES", "LISTS", "BytesFormat", "Chunks", "IdFormat", "Ids", "ListFormat", "Out"]
 
-Ids = TypeVar("Ids", bytes, "Chunks")
+Ids = TypeVar("Ids", bytes, "Chunks")  # what a process keeps
+Out = TypeVar("Out", bytes, list[int])  # what a caller gets
 
 
-class IdFormat(Protocol, Generic[Ids]):
-    """Operations the lookup needs on one id container type."""
+class IdFormat(Generic[Ids, Out]):
+    """Operations the lookup needs on one id container type (``Ids``) and its callers' (``Out``)."""
 
     name: str
 
     def from_u32(self, data: bytes) -> Ids:
         """A new container holding packed LE uint32 ``data``."""
-        ...
+        raise NotImplementedError
 
     def from_list(self, ids: list[int]) -> Ids:
         """A new container holding ``ids`` (which it may keep: not to be mutated after)."""
-        ...
+        raise NotImplementedError
 
     def count(self, ids: Ids) -> int:
         """How many ids ``ids`` holds."""
-        ...
+        raise NotImplementedError
 
     def grow(self, base: Ids, n: int, more: Ids) -> Ids:
         """A container holding ``base[:n] + more`` (``base`` is left as it is)."""
-        ...
+        raise NotImplementedError
 
-    def result(self, ids: Ids, n: int, prefix: tuple[int, ...] = (), suffix: tuple[int, ...] = ()) -> Ids:
-        """What a caller gets: ``prefix + ids[:n] + suffix`` as a container it owns."""
-        ...
+    def result(self, ids: Ids, n: int, prefix: tuple[int, ...] = (), suffix: tuple[int, ...] = ()) -> Out:
+        """What a caller gets: ``prefix + ids[:n] + suffix``, which it owns."""
+        raise NotImplementedError
 
     def to_u32(self, ids: Ids, n: int) -> bytes:
         """The first ``n`` ids as packed LE uint32."""
-        ...
+        raise NotImplementedError
 
 
-class BytesFormat:
+class BytesFormat(IdFormat[bytes, bytes]):
     """Packed little-endian uint32 ``bytes`` (immutable: sharing is free)."""
 
     name = "bytes"
@@ -121,7 +122,7 @@ class Chunks:
 MAX_PARTS = 64
 
 
-class ListFormat:
+class ListFormat(IdFormat["Chunks", list[int]]):
     """``list[int]`` for callers, kept as :class:`Chunks` (copied once, for each caller)."""
 
     name = "list"

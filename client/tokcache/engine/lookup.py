@@ -35,7 +35,7 @@ from tokcache.engine.affixes import Affixes
 from tokcache.engine.boundaries import BoundaryScanner, Scan
 from tokcache.engine.encoder import Encoder
 from tokcache.engine.errors import InvalidRequest, RequestTooLarge
-from tokcache.engine.ids import IdFormat, Ids
+from tokcache.engine.ids import IdFormat, Ids, Out
 from tokcache.engine.memo import ChainMemo
 from tokcache.ids import pack_ids, unpack_ids
 from tokcache.store import Kind, Known, RecordRef, StoreError, Walk
@@ -181,10 +181,10 @@ class PendingWrite(Generic[Ids]):
 
 
 @dataclass
-class Result(Generic[Ids]):
-    """The ids of one request (a container the caller owns), how, and what to store."""
+class Result(Generic[Ids, Out]):
+    """The ids of one request (which the caller owns), how, and what to store."""
 
-    ids: Ids
+    ids: Out
     decision: Decision
     write: PendingWrite[Ids] | None = None
 
@@ -212,20 +212,21 @@ class _Tail:
     spliced: int
 
 
-class Lookup(Generic[Ids]):
+class Lookup(Generic[Ids, Out]):
     """Tokenize through one segment. Thread-safe; one per (model, process)."""
 
     def __init__(self, model: ReadModel, store: CacheView | None, memo: ChainMemo[Ids],
                  limits: Limits | None = None) -> None:
         self.model = model
         self.store = store
-        self.memo = memo
-        self.fmt: IdFormat[Ids] = memo.fmt
+        self.memo: ChainMemo[Ids] = memo
+        self.fmt: IdFormat[Ids, Out] = memo.fmt
         self.limits = limits or Limits()
 
     # -- the request path ----------------------------------------------------------------
 
-    def tokenize(self, text: str, *, add_special_tokens: bool, salt: str = "", mode: str = "kv-stable") -> Result[Ids]:
+    def tokenize(self, text: str, *, add_special_tokens: bool, salt: str = "",
+                 mode: str = "kv-stable") -> Result[Ids, Out]:
         """Ids of ``text`` (== HF tokenizers ``encode(text, add_special_tokens)`` in exact
         mode; recorded output ids win in kv-stable mode), via the cache.
 
@@ -243,7 +244,7 @@ class Lookup(Generic[Ids]):
         return self._tokenize(scan, len(text), add_special_tokens=add_special_tokens, salt=salt, mode=mode)
 
     def tokenize_utf8(self, data: bytes, n_chars: int, *, add_special_tokens: bool, salt: str = "",
-                      mode: str = "kv-stable") -> Result[Ids]:
+                      mode: str = "kv-stable") -> Result[Ids, Out]:
         """:meth:`tokenize` of a text given as valid UTF-8 ``data`` of ``n_chars`` characters."""
         if len(data) > self.limits.max_text_bytes:
             raise RequestTooLarge("text", self.limits.max_text_bytes)
@@ -251,7 +252,7 @@ class Lookup(Generic[Ids]):
                               salt=salt, mode=mode)
 
     def _tokenize(self, scan: Scan, n_chars: int, *, add_special_tokens: bool, salt: str,
-                  mode: str) -> Result[Ids]:
+                  mode: str) -> Result[Ids, Out]:
         data = scan.data
         if len(data) > self.limits.max_text_bytes:
             raise RequestTooLarge("text", self.limits.max_text_bytes)

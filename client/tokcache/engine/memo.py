@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping
-from typing import Generic
+from typing import Any, Generic
 
 from tokcache.engine.ids import IdFormat, Ids
 from tokcache.store import RecordRef
@@ -38,8 +38,8 @@ class ChainMemo(Generic[Ids]):
     naming that LSN for that key can only mean this record.
     """
 
-    def __init__(self, fmt: IdFormat[Ids], max_ids: int = DEFAULT_MEMO_IDS) -> None:
-        self.fmt = fmt
+    def __init__(self, fmt: IdFormat[Ids, Any], max_ids: int = DEFAULT_MEMO_IDS) -> None:
+        self.fmt: IdFormat[Ids, Any] = fmt
         self._max = max_ids
         self._ids = 0
         # (lsn, check prefix) -> (container, base, n, floor, {key: n})

@@ -145,8 +145,12 @@ class Manifest:
 
 def _boundary_ids(tokenizer_json: Path, contents: tuple[str, ...]) -> list[int]:
     wanted = set(contents)
-    return [int(t["id"]) for t in added_tokens(tokenizer_json) if t.get("content") in wanted
-            and isinstance(t.get("id"), int)]
+    out: list[int] = []
+    for t in added_tokens(tokenizer_json):
+        tid = t.get("id")
+        if t.get("content") in wanted and isinstance(tid, int):
+            out.append(tid)
+    return out
 
 
 def from_manifest(tokenizer_json: Path, manifest: Manifest, *, encoder: Encoder | None = None) -> ReadModel:
@@ -170,7 +174,11 @@ def from_manifest(tokenizer_json: Path, manifest: Manifest, *, encoder: Encoder 
             log.info("tokcache: the sidecar proved %s %s; this process has %r and chose %s after its own gate",
                      manifest.backend, manifest.backend_version, _version(manifest.backend), choice.encoder.name)
             encoder = choice.encoder
-    by_id = {int(t["id"]): str(t["content"]) for t in added_tokens(tokenizer_json) if isinstance(t.get("id"), int)}
+    by_id: dict[int, str] = {}
+    for t in added_tokens(tokenizer_json):
+        tid = t.get("id")
+        if isinstance(tid, int):
+            by_id[tid] = str(t["content"])
     boundary = tuple(by_id[i] for lo, hi in manifest.boundary_ids for i in range(lo, hi + 1) if i in by_id)
     check = BoundaryCheck(boundary, (), manifest.l1_disabled_reason)
     scanner = BoundaryScanner.from_tokenizer(tokenizer_json, check)

@@ -59,7 +59,7 @@ class Pair:
         if model is None:  # built from the published manifest, as a client process does
             model = _CLIENT_MODELS[engine.fingerprint] = from_manifest(engine.tokenizer_json, manifest)
         self.client_memo: ChainMemo[Chunks] = ChainMemo(LISTS)
-        self.client: Lookup[Chunks] = Lookup(model, self.reader, self.client_memo)
+        self.client: Lookup[Chunks, list[int]] = Lookup(model, self.reader, self.client_memo)
         self.client_store = Store.attach(store.name, fingerprint=engine.fingerprint)
 
     def close(self) -> None:
