@@ -26,7 +26,6 @@ sidecar restarted with another size) is noticed within ``recheck_s`` and re-atta
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
@@ -47,8 +46,7 @@ from tokcache.engine.tokenizer import Manifest, ManifestMismatch, from_manifest
 from tokcache.store import Kind, SegmentError, SegmentMismatch, Store, StoreError, StoreReader
 from tokcache.store._layout import RETIRED_MARK, W_RETIRED
 
-__all__ = ["LocalModel", "LocalPaths", "LocalStats", "LocalUnavailable", "WriteBehind", "find_tokenizer_json",
-           "shm_prefix_from_env"]
+__all__ = ["LocalModel", "LocalPaths", "LocalStats", "LocalUnavailable", "WriteBehind", "find_tokenizer_json"]
 
 log = logging.getLogger("sidecar_client.local")
 
@@ -323,11 +321,6 @@ class LocalModel:
             self._writable.close()
             self._writable = None
         self.reader.close()
-
-
-def shm_prefix_from_env() -> str:
-    """``$TOKCACHE_SHM_PREFIX`` or the sidecar's default prefix."""
-    return os.environ.get("TOKCACHE_SHM_PREFIX") or "tokcache"
 
 
 RETRY_S = 5.0  # after a failed attach, how long requests go over RPC before trying again
