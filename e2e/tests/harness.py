@@ -576,12 +576,17 @@ class Timing:
     mean: float | None
     p50: float | None
     p90: float | None
+    slow: int = 0  # observations above SLOW_S (they make a mean far above the p90)
 
     def text(self) -> str:
         def ms(x: float | None) -> str:
             return "-" if x is None else f"{1000 * x:.2f} ms"
 
-        return f"n={self.count} p50 {ms(self.p50)} p90 {ms(self.p90)} mean {ms(self.mean)}"
+        slow = f", {self.slow} over {SLOW_S * 1000:.0f} ms" if self.slow else ""
+        return f"n={self.count} p50 {ms(self.p50)} p90 {ms(self.p90)} mean {ms(self.mean)}{slow}"
+
+
+SLOW_S = 0.1  # a bucket bound of both plugin histograms
 
 
 def timing(m0: Mapping[str, float], m1: Mapping[str, float], name: str, **labels: str) -> Timing:
@@ -591,8 +596,9 @@ def timing(m0: Mapping[str, float], m1: Mapping[str, float], name: str, **labels
     series = "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else ""
     count = delta(m1, m0, name + "_count" + series)
     total = delta(m1, m0, name + "_sum" + series)
+    fast = dict(buckets).get(SLOW_S)
     return Timing(int(count), total / count if count else None, histogram_quantile(buckets, 0.5),
-                  histogram_quantile(buckets, 0.9))
+                  histogram_quantile(buckets, 0.9), 0 if fast is None else int(count - fast))
 
 
 def tokenize_timings(m0: Mapping[str, float], m1: Mapping[str, float]) -> dict[str, Timing]:

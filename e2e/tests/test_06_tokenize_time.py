@@ -72,12 +72,13 @@ def time_table(runs: Mapping[str, tuple[Sequence[ConvTurn], Mapping[str, float],
              f"{len(decode(short).encode()) / 1000:.1f}-{len(decode(long).encode()) / 1000:.1f} KB)",
              f"histogram {TOKENIZE_SECONDS} over the run, by path: p50/p90 interpolated in its buckets "
              "(0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3, 5, 7.5, 10 ms ...), mean = _sum/_count",
-             f"{'server':<28} {'path':<8} {'prompts':>7} {'p50 ms':>7} {'p90 ms':>7} {'mean ms':>8} {'exact':>7}"]
+             f"{'server':<28} {'path':<8} {'prompts':>7} {'p50 ms':>7} {'p90 ms':>7} {'mean ms':>8} "
+             f"{'>100 ms':>7} {'exact':>7}"]
     for name, (run, m0, m1) in runs.items():
         exact = f"{sum(t.exact for t in run if t.turn > 1)}/{later}"
         for path, t in tokenize_timings(m0, m1).items():
             lines.append(f"{name:<28} {path:<8} {t.count:>7} {_ms(t.p50):>7} {_ms(t.p90):>7} {_ms(t.mean):>8} "
-                         f"{exact:>7}")
+                         f"{t.slow:>7} {exact:>7}")
             exact = ""
     return "\n".join(lines)
 
