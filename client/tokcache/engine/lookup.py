@@ -49,6 +49,7 @@ __all__ = [
     "PendingWrite",
     "ReadModel",
     "Result",
+    "TierNeeded",
     "mode_tag",
     "utf8",
 ]
@@ -84,9 +85,26 @@ class CacheView(Protocol):
     """What the lookup reads of a segment: ``Store`` (read-write) or ``StoreReader``."""
 
     def probe(self, key: bytes) -> bool: ...
+    def last_present(self, keys: list[bytes], lo: int, hi: int) -> int: ...
     def slot(self, key: bytes) -> tuple[int, int] | None: ...
     def holds_ar(self) -> bool: ...
     def read(self, key: bytes, known: Known | None = None) -> Walk | None: ...
+
+
+class TierNeeded(Exception):  # noqa: N818 - a signal to the caller, not an error
+    """Raised by ``tokenize(..., tier=True)`` before encoding: no recorded output applies to
+    this kv-stable request here (no prefix AR hit, no segment splice), and pieces of its tail
+    could be outputs recorded on another node.
+
+    ``candidates``: (segment key, piece text as UTF-8) for each piece start the tail encoder
+    would look up. The caller (the sidecar) asks its cluster tier for them, verifies and
+    stores what it gets, and calls again without ``tier``; a client that cannot ask the
+    tier sends the request to the sidecar instead.
+    """
+
+    def __init__(self, candidates: list[tuple[bytes, bytes]]) -> None:
+        super().__init__(f"{len(candidates)} segment keys to ask the tier for")
+        self.candidates = candidates
 
 
 @dataclass(frozen=True)
@@ -226,13 +244,14 @@ class Lookup(Generic[Ids, Out]):
     # -- the request path ----------------------------------------------------------------
 
     def tokenize(self, text: str, *, add_special_tokens: bool, salt: str = "",
-                 mode: str = "kv-stable") -> Result[Ids, Out]:
+                 mode: str = "kv-stable", tier: bool = False) -> Result[Ids, Out]:
         """Ids of ``text`` (== HF tokenizers ``encode(text, add_special_tokens)`` in exact
         mode; recorded output ids win in kv-stable mode), via the cache.
 
         Raises InvalidRequest (lone surrogates, unknown mode) and RequestTooLarge. A
         failing store degrades to plain encoding; it never fails the request. Nothing is
-        written: the caller stores ``Result.write`` (if any) after answering.
+        written: the caller stores ``Result.write`` (if any) after answering. With ``tier``
+        a kv-stable request that no local AR applies to raises :class:`TierNeeded`.
         """
         if len(text) > self.limits.max_text_bytes:  # chars <= bytes: a cheap first test
             raise RequestTooLarge("text", self.limits.max_text_bytes)
@@ -241,18 +260,19 @@ class Lookup(Generic[Ids, Out]):
         except UnicodeEncodeError as exc:
             raise InvalidRequest("text", f"not valid Unicode: lone surrogate {text[exc.start]!r} at index "
                                          f"{exc.start}") from exc
-        return self._tokenize(scan, len(text), add_special_tokens=add_special_tokens, salt=salt, mode=mode)
+        return self._tokenize(scan, len(text), add_special_tokens=add_special_tokens, salt=salt, mode=mode,
+                              tier=tier)
 
     def tokenize_utf8(self, data: bytes, n_chars: int, *, add_special_tokens: bool, salt: str = "",
-                      mode: str = "kv-stable") -> Result[Ids, Out]:
+                      mode: str = "kv-stable", tier: bool = False) -> Result[Ids, Out]:
         """:meth:`tokenize` of a text given as valid UTF-8 ``data`` of ``n_chars`` characters."""
         if len(data) > self.limits.max_text_bytes:
             raise RequestTooLarge("text", self.limits.max_text_bytes)
         return self._tokenize(self.model.scanner.scan(data), n_chars, add_special_tokens=add_special_tokens,
-                              salt=salt, mode=mode)
+                              salt=salt, mode=mode, tier=tier)
 
     def _tokenize(self, scan: Scan, n_chars: int, *, add_special_tokens: bool, salt: str,
-                  mode: str) -> Result[Ids, Out]:
+                  mode: str, tier: bool = False) -> Result[Ids, Out]:
         data = scan.data
         if len(data) > self.limits.max_text_bytes:
             raise RequestTooLarge("text", self.limits.max_text_bytes)
@@ -286,7 +306,10 @@ class Lookup(Generic[Ids, Out]):
             assert hit.ids is not None
             self._account(decision, hit, data, n_chars)
             return Result(self.fmt.result(hit.ids, hit.tokens, prefix, suffix), decision)
-        tail = self._encode_tail(store if ar else None, data, spans, hit, salt, tag)
+        # The cluster tier is asked only when nothing recorded applies here: a conversation
+        # whose last output was recorded on this node needs nothing from elsewhere.
+        ask = tier and store is not None and tag == MODE_KV_STABLE and decision.source != "ar"
+        tail = self._encode_tail(store if ar else None, data, spans, hit, salt, tag, ask)
         decision.timings["encode"] = (t1, time.perf_counter_ns())
         if tail.spliced:
             decision.segment_splices = tail.spliced
@@ -380,11 +403,29 @@ class Lookup(Generic[Ids, Out]):
     def _longest(self, store: CacheView, keys: TextKeys, n: int) -> tuple[int, Ids | None, int]:
         """(cut index, container, tokens) of the longest cut whose prefix is cached, or (-1, None, 0).
 
-        Gallops back from the last cut (a turn adds a handful, a history rewrite many)
-        with index-only probes, binary-searches the bracket, and reads the chain of the
-        winner only; a winner whose chain turns out broken is skipped for the next
-        shorter present cut. Deterministic in the segment's contents.
+        The last TAIL_PROBES cuts are probed from the end down in one store call (a turn
+        adds ~4-12 cuts: the present one is among them). If none is present, the cuts
+        before them are searched by galloping back with index-only probes and
+        binary-searching the bracket (a rewritten history). Only the winner's chain is
+        read; a winner whose chain turns out broken is skipped for the next shorter
+        present cut. Deterministic in the segment's contents.
         """
+        window = max(0, n - TAIL_PROBES)
+        keys.fill(window, n)
+        lo = store.last_present(keys.keys, window, n)
+        if lo < 0 and window > 0:
+            lo = self._gallop(store, keys, window)
+        if lo < 0:
+            return -1, None, 0
+        for i in range(lo, max(-1, lo - TAIL_PROBES), -1):
+            found = self._read(store, keys.key(i))
+            if found is not None:
+                return i, found[0], found[1]
+        return -1, None, 0
+
+    @staticmethod
+    def _gallop(store: CacheView, keys: TextKeys, n: int) -> int:
+        """A present cut below ``n`` (probed n-1, n-2, n-4, ... then binary-searched), or -1."""
         hi = n - 1  # highest index that may be present
         lo = -1  # known present (or -1)
         step = 1
@@ -399,7 +440,7 @@ class Lookup(Generic[Ids, Out]):
         if lo < 0 and probe < 0 <= hi and store.probe(keys.key(0)):
             lo = 0
         if lo < 0:
-            return -1, None, 0
+            return -1
         # Present at lo, absent at every probed index above it: binary search (lo, hi].
         while lo < hi:
             mid = (lo + hi + 1) // 2
@@ -407,16 +448,12 @@ class Lookup(Generic[Ids, Out]):
                 lo = mid
             else:
                 hi = mid - 1
-        for i in range(lo, max(-1, lo - TAIL_PROBES), -1):
-            found = self._read(store, keys.key(i))
-            if found is not None:
-                return i, found[0], found[1]
-        return -1, None, 0
+        return lo
 
     # -- step 2: the tail ----------------------------------------------------------------
 
     def _encode_tail(self, store: CacheView | None, data: bytes, spans: list[tuple[int, int]], hit: _Hit[Ids],
-                     salt: str, tag: bytes) -> _Tail:
+                     salt: str, tag: bytes, tier: bool = False) -> _Tail:
         """Encode ``data[hit.start:]`` piece by piece (body, boundary token), one native call;
         with a store, splice recorded outputs (segment AR).
 
@@ -425,7 +462,7 @@ class Lookup(Generic[Ids, Out]):
         ``encode(header) + recorded ids``.
         """
         encoder = self.model.encoder
-        if store is None and self.model.boundary_ids:
+        if store is None and self.model.boundary_ids and not tier:
             # The cuts are safe boundaries, so the tail encodes in one call; where each
             # cut falls is found from the boundary ids on the write path, if ever needed.
             return _Tail(encoder.encode(data[hit.start:].decode("utf-8")), None, 0)
@@ -448,6 +485,11 @@ class Lookup(Generic[Ids, Out]):
                     if found is not None and found.held is None:
                         splices[k] = (p, found.rest)
                         break
+        if tier and not splices:
+            candidates = [(segment_key(salt, tag, body[p:]), body[p:]) for body, _ in pieces
+                          if len(body) >= MIN_SEGMENT_BYTES for p in _segment_starts(body)]
+            if candidates:
+                raise TierNeeded(candidates)
         if not splices:
             if self.model.boundary_ids:
                 return _Tail(encoder.encode(data[hit.start:].decode("utf-8")), None, 0)

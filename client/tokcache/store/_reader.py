@@ -140,6 +140,10 @@ class StoreReader:
             return False
         return lsn_kind & LSN_MASK >= self._words[W_TAIL]
 
+    def last_present(self, keys: list[bytes], lo: int, hi: int) -> int:
+        """See :meth:`Store.last_present`."""
+        return self._index.last_live(keys, lo, hi, self._clock(), self._words[W_TAIL])
+
     def holds_ar(self) -> bool:
         """Whether an AR record was ever put in this segment (see :meth:`Store.holds_ar`)."""
         if self._closed:

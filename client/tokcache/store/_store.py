@@ -241,6 +241,14 @@ class Store:
         """:meth:`contains` (the lookup's name for it; see ``StoreReader.probe``)."""
         return self._live_slot(key) is not None
 
+    def last_present(self, keys: list[bytes], lo: int, hi: int) -> int:
+        """The highest ``i`` in ``[lo, hi)`` for which :meth:`probe` of ``keys[i]`` is True, or
+        -1: the same answer as probing from ``hi - 1`` down, in one call. The keys are the
+        caller's own (16 bytes, from ``tokcache.store.keys``)."""
+        if self._mm is None:
+            raise StoreClosed(f"{self.name} is closed")
+        return self._index.last_live(keys, lo, hi, self._clock(), self._words[W_TAIL])
+
     def contains(self, key: bytes) -> bool:
         """Whether ``key`` has a live, unexpired index slot — without reading its chain.
 

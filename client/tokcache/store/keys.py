@@ -130,6 +130,11 @@ class TextKeys:
             h.update(memoryview(self._data)[:offset])
         return h
 
+    @property
+    def keys(self) -> list[bytes]:
+        """The L1 keys by boundary index; only the ones computed are set (see :meth:`fill`)."""
+        return self._keys  # type: ignore[return-value]
+
     def namespace(self) -> bytes:
         """What identifies these keys' namespace (mode and salt), for memoizing hash states."""
         return self._base.namespace
@@ -195,5 +200,5 @@ class TextKeys:
     def fill(self, lo: int, hi: int) -> None:
         """Compute the L1 keys of boundaries ``lo <= i < hi`` (one pass from ``lo`` if any is missing)."""
         lo = max(lo, 0)
-        if any(k is None for k in self._keys[lo:hi]):
+        if None in self._keys[lo:hi]:
             self.scan_tail(lo, ar=False)
