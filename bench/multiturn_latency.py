@@ -23,7 +23,8 @@ Every tokcache contender has its own sidecar and segment: one's entries never se
 ``--long``: one 100-turn conversation growing to ~800 KB (~270k tokens); the summary is over
 its last 10 turns. Otherwise the summary is over turns >= 2.
 
-The contender order rotates every turn so none is always first or last. Every contender's ids
+The contender order rotates every turn so none is always first or last, and each gets its own
+copy of the text (a fresh ``str``, as vLLM's renderer makes one per request). Every contender's ids
 are compared with ``tokenizers.Tokenizer.from_file(tokenizer.json).encode(text).ids``; a
 mismatch is reported on stderr at once and makes the script exit 1.
 
@@ -297,10 +298,14 @@ def run(args: argparse.Namespace) -> int:
                 gc.collect()
                 for pos, e in enumerate(order):
                     c = e.contender
+                    # A str of its own for each contender, as vLLM's renderer makes one per request:
+                    # CPython caches a str's UTF-8 form the first time a native library asks for it
+                    # (PyO3 &str), so sharing one object would hand that work to whoever ran first.
+                    own = text.encode("utf-8").decode("utf-8")
                     gc.disable()
                     try:
                         t0 = time.perf_counter_ns()
-                        ids = c.encode(text)
+                        ids = c.encode(own)
                         ns = time.perf_counter_ns() - t0
                     except Exception as exc:  # noqa: BLE001 - a failing contender is reported, others go on
                         e.status, e.reason = "failed", f"conv {ci} turn {turn}: {type(exc).__name__}: {exc}"
