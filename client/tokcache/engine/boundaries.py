@@ -25,7 +25,7 @@ import sys
 import threading
 from bisect import bisect_left
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -143,10 +143,26 @@ class Scan:
         return len(self.data) + (sys.getsizeof(self.text) if self.text is not None else 0)
 
 
-# Scan memo: recent texts, grouped by a hash of their first bytes, within a byte budget.
+# Scan memo: recent texts within a byte budget, found by a window near their end.
+#
+# A text is filed under (its kind, an anchor, a hash of the window at the anchor): the
+# anchor is its length minus a window, rounded down to a grid, so the window lies in the
+# last grid + window units of the text. A text extending it holds the same window at the
+# same anchor, and finds it by trying the anchors below its own length, from the top:
+# a turn appends a few KB, so the right anchor is among the first few. Windows near the
+# end tell conversations apart even when they share a long system prompt (a hash of the
+# first bytes did not: every conversation of an agent lands on one key).
 _MEMO_BYTES = 64 << 20
-_MEMO_HEAD = 256
-_MEMO_PER_HEAD = 4
+_MEMO_GRID = 4096  # units (chars of a str, bytes of UTF-8)
+_MEMO_WINDOW = 64
+_MEMO_PROBES = 48  # anchors tried: a base up to ~192K units shorter is found
+_MEMO_PER_KEY = 32  # texts filed under one key (many conversations' first turns may share one)
+_MEMO_CHECK = 256  # units before a candidate's end compared before the whole of it
+
+
+def _anchor(n: int) -> int:
+    """Where the memo window of a text of length ``n`` starts (-1: too short to file)."""
+    return (n - _MEMO_WINDOW) // _MEMO_GRID * _MEMO_GRID if n >= _MEMO_WINDOW else -1
 
 
 def _trie_pattern(words: set[bytes]) -> re.Pattern[bytes]:
@@ -189,10 +205,10 @@ class BoundaryScanner:
         words = {t.encode("utf-8") for t in all_added if t}
         self._pattern: re.Pattern[bytes] | None = _trie_pattern(words) if self._boundaries else None
         self._maxlen = max((len(w) for w in words), default=1)
-        # Recent texts and their scans, by a hash of their first bytes: a growing
-        # conversation rescans (and re-encodes) only what it appended. Guarded by _lock
-        # (the memo is shared by the threads of a process); _bytes is its weight.
-        self._memo: OrderedDict[int, list[Scan]] = OrderedDict()
+        # Recent texts and their scans (see _anchor): a growing conversation rescans (and
+        # re-encodes, and re-hashes) only what it appended. Guarded by _lock (the memo is
+        # shared by the threads of a process); _bytes is its weight.
+        self._memo: OrderedDict[tuple[bool, int, int], list[Scan]] = OrderedDict()
         self._memo_bytes = memo_bytes
         self._bytes = 0
         self._lock = threading.Lock()
@@ -223,9 +239,7 @@ class BoundaryScanner:
         """The boundary spans of UTF-8 ``data`` (== a full scan), reusing a recent text it extends."""
         if self._pattern is None:
             return Scan(data, [], [], len(data), 0)
-        head = hash(data[:_MEMO_HEAD])
-        base = self._base(head, lambda c: len(c.data) <= len(data) and data.startswith(c.data))
-        return self._finish(head, data, base, None)
+        return self._finish(data, self._base(data), None)
 
     def scan_text(self, text: str) -> Scan:
         """:meth:`scan` of ``text`` (its UTF-8 is ``Scan.data``): when a recent text scanned
@@ -237,10 +251,9 @@ class BoundaryScanner:
         if self._pattern is None:
             data = text.encode("utf-8")
             return Scan(data, [], [], len(data), 0, text=text)
-        head = hash(text[:_MEMO_HEAD].encode("utf-8")[:_MEMO_HEAD])
-        base = self._base(head, lambda c: c.text is not None and len(c.text) <= len(text)
-                          and text.startswith(c.text))
-        if base is not None and base.text is not None:
+        base = self._base(text)
+        if base is not None:
+            assert base.text is not None
             n = len(base.text)
             try:
                 data = base.data + text[n:].encode("utf-8")
@@ -248,21 +261,45 @@ class BoundaryScanner:
                 raise UnicodeEncodeError(exc.encoding, text, exc.start + n, exc.end + n, exc.reason) from None
         else:
             data = text.encode("utf-8")
-            base = self._base(head, lambda c: len(c.data) <= len(data) and data.startswith(c.data))
-        return self._finish(head, data, base, text)
+        return self._finish(data, base, text)
 
-    def _base(self, head: int, extends: Callable[[Scan], bool]) -> Scan | None:
-        """The longest recent text with this head that ``extends`` accepts."""
-        with self._lock:
-            candidates = sorted(self._memo.get(head, ()), key=lambda c: len(c.data), reverse=True)
-        return next((c for c in candidates if extends(c)), None)
+    def _base(self, seq: str | bytes) -> Scan | None:
+        """The longest recent text that ``seq`` extends (a str: one scanned from a str), or None."""
+        is_text = isinstance(seq, str)
+        n = len(seq)
+        top = _anchor(n)
+        memo = self._memo
+        for a in range(top, max(-1, top - _MEMO_PROBES * _MEMO_GRID), -_MEMO_GRID):
+            key = (is_text, a, hash(seq[a:a + _MEMO_WINDOW]))
+            with self._lock:
+                bucket = memo.get(key)
+                candidates = list(bucket) if bucket else ()
+            best: Scan | None = None
+            best_len = -1
+            for c in candidates:  # the longest that is a prefix; its end compared first (cheap)
+                old = c.text if is_text else c.data
+                assert old is not None
+                m = len(old)
+                if best_len < m <= n and seq[max(0, m - _MEMO_CHECK):m] == old[-_MEMO_CHECK:] \
+                        and seq.startswith(old):
+                    best, best_len = c, m
+            if best is not None:
+                return best
+        return None
+
+    def _file(self, scan: Scan, is_text: bool) -> tuple[bool, int, int] | None:
+        """The memo key of ``scan`` (None: too short to file)."""
+        seq = scan.text if is_text else scan.data
+        assert seq is not None
+        a = _anchor(len(seq))
+        return None if a < 0 else (is_text, a, hash(seq[a:a + _MEMO_WINDOW]))
 
     def _matches(self, data: bytes, pos: int) -> list[tuple[int, int, bool]]:
         assert self._pattern is not None
         boundaries = self._boundaries
         return [(m.start(), m.end(), m.group() in boundaries) for m in self._pattern.finditer(data, pos)]
 
-    def _finish(self, head: int, data: bytes, base: Scan | None, text: str | None) -> Scan:
+    def _finish(self, data: bytes, base: Scan | None, text: str | None) -> Scan:
         if base is None:
             spans: list[tuple[int, int]] = []
             kept_end = 0
@@ -283,24 +320,38 @@ class BoundaryScanner:
                 tail.append((a, b))
         scan = Scan(data, spans, tail, tail_from, kept_end, len(base.data) if base is not None else 0, text,
                     base=base)
+        is_text = text is not None
+        key = self._file(scan, is_text)
+        # The text this one extends is superseded: a conversation keeps one entry (its latest
+        # turn), so the budget holds as many conversations as it can.
+        old_key = self._file(base, is_text) if base is not None and (base.text is not None) == is_text else None
         with self._lock:
-            entries = self._memo.setdefault(head, [])
-            self._memo.move_to_end(head)
-            same = next((e for e in entries if len(e.data) == len(data) and e.data == data), None)
-            if same is not None:
-                if same.text is None and text is not None:  # the str form helps the next scan_text
-                    entries[entries.index(same)] = scan
-                    self._bytes += scan.weight - same.weight
-                    return scan
-                return same
-            entries.append(scan)
-            self._bytes += scan.weight
-            for old in entries[:-_MEMO_PER_HEAD]:
-                self._bytes -= old.weight
-            del entries[:-_MEMO_PER_HEAD]
-            while self._bytes > self._memo_bytes and self._memo:
-                _, dropped = self._memo.popitem(last=False)
-                self._bytes -= sum(e.weight for e in dropped)
+            if old_key is not None:
+                self._drop(old_key, base)
+            if key is not None:
+                bucket = self._memo.setdefault(key, [])
+                self._memo.move_to_end(key)
+                bucket.insert(0, scan)
+                self._bytes += scan.weight
+                for dropped in bucket[_MEMO_PER_KEY:]:
+                    self._bytes -= dropped.weight
+                del bucket[_MEMO_PER_KEY:]
+                while self._bytes > self._memo_bytes and self._memo:
+                    _, gone = self._memo.popitem(last=False)
+                    self._bytes -= sum(e.weight for e in gone)
         if base is not None:  # one level is all a reader uses: do not keep a chain of old texts alive
             object.__setattr__(base, "base", None)
         return scan
+
+    def _drop(self, key: tuple[bool, int, int], scan: Scan) -> None:
+        """Remove ``scan`` (the object) from the memo. Lock held."""
+        bucket = self._memo.get(key)
+        if bucket is None:
+            return
+        for i, e in enumerate(bucket):
+            if e is scan:
+                del bucket[i]
+                self._bytes -= scan.weight
+                break
+        if not bucket:
+            del self._memo[key]

@@ -110,3 +110,31 @@ def test_incremental_scan_equals_full_scan(qwen3_path: Path) -> None:
             assert memo.spans(data) == fresh.spans(data), text
             scan = texts.scan_text(text)
             assert scan.data == data and scan.spans == fresh.spans(data), text
+
+
+def test_scan_memo_tells_conversations_apart(qwen3_path: Path) -> None:
+    """Many conversations of one agent share a long system prompt; each turn still finds its
+    own previous turn (only the new text is scanned), the result equals a full scan, and the
+    memo keeps one entry per conversation (a turn supersedes the one it extends)."""
+    import random
+
+    path = qwen3_path / "tokenizer.json"
+    check = check_boundaries(path, TokenizersEncoder(path))
+    scanner = BoundaryScanner.from_tokenizer(path, check)
+    added = [str(t["content"]) for t in json.loads(path.read_text())["added_tokens"]]
+    fresh = BoundaryScanner(added, check.boundary_tokens, memo_bytes=0)
+    rng = random.Random(3)
+    system = "<|im_start|>system\n" + "You are an agent. Use the tools. 🛠 " * 700 + "<|im_end|>\n"  # ~25K chars
+    convs = [system for _ in range(40)]
+    for turn in range(4):
+        for c in range(len(convs)):
+            prev = convs[c]
+            words = " ".join(rng.choice(["read", "file", "ok", "test", "é", "命令"]) for _ in range(rng.randint(50, 900)))
+            convs[c] = (f"{prev}<|im_start|>user\nconversation {c} turn {turn}: {words}<|im_end|>\n"
+                        "<|im_start|>assistant\n")
+            scan = scanner.scan_text(convs[c])
+            assert scan.spans == fresh.spans(scan.data)
+            if turn:  # turn 0 extends the system prompt alone, which no one scanned
+                assert scan.base_len == len(prev.encode()), (turn, c)
+    entries = sum(len(b) for b in scanner._memo.values())
+    assert entries == len(convs)
