@@ -73,10 +73,12 @@ class _HfStyleEncoder:
         self.tokenizer.no_padding()
 
     def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+        ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False).ids  # a new list per call
+        return ids
 
     def encode_full(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=True).ids)
+        ids: list[int] = self.tokenizer.encode(text, add_special_tokens=True).ids
+        return ids
 
     def encode_pieces(self, texts: Sequence[str]) -> tuple[list[int], list[int]]:
         # One sequential call per piece, not the batch APIs: those run on a thread pool

@@ -551,7 +551,7 @@ def commit(store: WriteView, memo: ChainMemo[Ids], write: PendingWrite[Ids]) -> 
     write.decision.stored = ref is not None
     if ref is not None:
         shift = ref.n - len(write.ids)  # > 0 when the store inlined the parent's ids
-        memo.put(ref, write.full, {e[0]: e[1] + shift for e in entries})
+        memo.put(ref, memo.fmt.compact(write.full), {e[0]: e[1] + shift for e in entries})
     return ref
 
 
