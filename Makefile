@@ -16,7 +16,7 @@ PYENV_ROOT ?= $(shell pyenv root 2>/dev/null || echo $(HOME)/.pyenv)
 venv_of = .venv-py$(subst .,,$(basename $(1)))
 EXTRA_VENVS := $(foreach v,$(EXTRA_PYTHONS),$(call venv_of,$(v)))
 
-.PHONY: demo test unit unit-pythons e2e bench proto lint clean
+.PHONY: demo test unit unit-pythons e2e bench proto lint clean redis-server
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,8 +32,23 @@ demo: $(STAMP)
 # end-to-end run.
 test: unit unit-pythons e2e
 
-unit: $(STAMP)
+unit: $(STAMP) redis-server
 	$(PY) -m pytest -q
+
+# The cluster-tier tests start real redis-server processes (one node, and a three-node cluster):
+# Debian's package, installed here when missing. Without root or apt the tests that need it are
+# skipped, each saying why.
+redis-server:
+	@if ! command -v redis-server >/dev/null 2>&1 || ! command -v redis-cli >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "== installing redis-server (Debian package) for the cluster-tier tests"; \
+	    (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+	      redis-server redis-tools) >/tmp/tokcache-apt-redis.log 2>&1 \
+	      || echo "== WARNING: apt-get install redis-server failed (see /tmp/tokcache-apt-redis.log): tier tests skip"; \
+	  else \
+	    echo "== WARNING: redis-server is not installed and cannot be installed here: tier tests skip"; \
+	  fi; \
+	fi
 
 # A venv per extra Python, rebuilt when pyproject.toml changes (like $(STAMP)). A Python that
 # pyenv does not have here makes no stamp: unit-pythons warns and skips it. The tokenizer
@@ -56,7 +71,7 @@ $(foreach v,$(EXTRA_PYTHONS),$(eval $(call extra_venv,$(v))))
 # The unit suite once per extra Python, all of them even when one fails; the exit status says
 # whether all passed. pytest's exit 5 (no test collected) is a failure here: the same suite
 # collects hundreds of tests on the default Python.
-unit-pythons: $(foreach v,$(EXTRA_VENVS),$(v)/.installed)
+unit-pythons: $(foreach v,$(EXTRA_VENVS),$(v)/.installed) redis-server
 	@failed=""; for v in $(EXTRA_PYTHONS); do \
 	  venv=.venv-py$$(echo $$v | cut -d. -f1,2 | tr -d .); \
 	  if [ ! -f $$venv/.installed ]; then \

@@ -68,6 +68,11 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
                                                 f"(env {ENV['pressure_psi_avg10']})")
     p.add_argument("--pressure-min-available", help=f"MemAvailable / MemTotal below which is pressure "
                                                     f"(env {ENV['pressure_min_available']})")
+    p.add_argument("--ar-store", help=f"cluster tier for recorded outputs: redis://HOST:PORT[/DB], rediss://..., "
+                                      f"redis+cluster://HOST:PORT (env {ENV['ar_store']}; a URL with a password "
+                                      "belongs in the environment, not on a command line)")
+    p.add_argument("--ar-store-timeout-ms", help=f"deadline of a tier read on the Tokenize path, ms "
+                                                 f"(env {ENV['ar_store_timeout_ms']}; default 20)")
 
 
 def _health_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -109,6 +114,8 @@ def _serve(ns: argparse.Namespace) -> int:
             spec.check()
     except ConfigError as exc:
         return _fail(exc, 2)
+    if config.ar_store and _missing(("redis",)):
+        return _fail("ar_store (--ar-store): the cluster tier needs redis-py: pip install 'tokcache[tier]'", 2)
     from tokcache.sidecar.telemetry.logs import setup_logging
 
     setup_logging(config.log_level, config.log_format)
@@ -285,10 +292,15 @@ _SERVER_MODULES = ("grpc_health", "grpc_reflection", "jinja2", "opentelemetry.sd
 
 
 def _missing_server_modules() -> list[str]:
+    return _missing(_SERVER_MODULES)
+
+
+def _missing(modules: Sequence[str]) -> list[str]:
+    """The modules of ``modules`` that cannot be imported here."""
     import importlib.util
 
     out = []
-    for name in _SERVER_MODULES:
+    for name in modules:
         try:
             if importlib.util.find_spec(name) is None:
                 out.append(name)

@@ -57,6 +57,8 @@ ENV = {
     "pressure_cgroup_ratio": "TOKCACHE_PRESSURE_CGROUP_RATIO",
     "pressure_psi_avg10": "TOKCACHE_PRESSURE_PSI_AVG10",
     "pressure_min_available": "TOKCACHE_PRESSURE_MIN_AVAILABLE",
+    "ar_store": "TOKCACHE_AR_STORE",
+    "ar_store_timeout_ms": "TOKCACHE_AR_STORE_TIMEOUT_MS",
 }
 
 # Fields whose command-line flag is not ``--`` + the field name with dashes.
@@ -169,6 +171,10 @@ class Config:
     pressure_cgroup_ratio: float = 0.90
     pressure_psi_avg10: float = 10.0
     pressure_min_available: float = 0.05
+    # The cluster tier for recorded outputs (tokcache.sidecar.tier): a Redis/Valkey URL ("" = off)
+    # and the deadline of a read on the Tokenize path.
+    ar_store: str = field(default="", repr=False)  # may hold a password: never printed
+    ar_store_timeout_ms: float = 20.0
     config_file: Path | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -212,11 +218,20 @@ class Config:
             raise ConfigError("pressure_psi_avg10: must be a percentage in (0, 100]")
         if not 0 <= self.pressure_min_available < 0.5:
             raise ConfigError("pressure_min_available: must be a fraction in [0, 0.5)")
+        if self.ar_store:
+            from tokcache.sidecar.tier import TierUrl, TierUrlError
+
+            try:
+                TierUrl.parse(self.ar_store)
+            except TierUrlError as exc:
+                raise ConfigError(f"ar_store ({flag('ar_store')}): {exc}") from None
+        if not 0 < self.ar_store_timeout_ms <= 10_000:
+            raise ConfigError("ar_store_timeout_ms: must be in (0, 10000] milliseconds")
 
 
 _INT_FIELDS = {"max_text_bytes", "max_messages", "max_request_bytes", "metrics_port", "workers"}
 _FLOAT_FIELDS = {"ttl_l0", "ttl_l1", "ttl_ar", "grace_seconds", "pressure_interval", "pressure_low_watermark",
-                 "pressure_cgroup_ratio", "pressure_psi_avg10", "pressure_min_available"}
+                 "pressure_cgroup_ratio", "pressure_psi_avg10", "pressure_min_available", "ar_store_timeout_ms"}
 
 
 def _coerce(name: str, value: Any, source: str) -> Any:

@@ -38,6 +38,7 @@ from tokcache.sidecar.engine.model import Limits, ModelEngine, fingerprint_of
 from tokcache.sidecar.pressure import PressureMonitor, PressurePolicy
 from tokcache.sidecar.service import TokenizerService
 from tokcache.sidecar.telemetry import Metrics, Tracing
+from tokcache.sidecar.tier import DEFAULT_TTL_S, ArTier, TierUrl
 from tokcache.store import Kind, Store, StoreError, id_bytes_for, segment_name, usable_size
 from tokcache.v1 import tokenizer_pb2 as pb
 from tokcache.v1 import tokenizer_pb2_grpc as pb_grpc
@@ -278,6 +279,20 @@ def _load_error(spec: ModelSpec | None, exc: BaseException, config: Config) -> s
     return f"{where}: {type(exc).__name__}: {_one_line(exc)}"
 
 
+def _make_tier(config: Config, metrics: Metrics) -> ArTier | None:
+    """The cluster tier of ``--ar-store`` (None without one); StartupError without redis-py."""
+    if not config.ar_store:
+        return None
+    url = TierUrl.parse(config.ar_store)  # checked by Config already
+    try:
+        tier = ArTier(url, timeout_s=config.ar_store_timeout_ms / 1000, ttl_s=config.ttl_ar or DEFAULT_TTL_S,
+                      observe=metrics.observe_tier)
+    except ImportError as exc:
+        raise StartupError(f"{flag('ar_store')} {url.display}: {exc}") from exc
+    metrics.add_tier(lambda: tier.state)
+    return tier
+
+
 class Sidecar:
     """One server process: gRPC server + engines + stores. Use from one event loop."""
 
@@ -286,7 +301,9 @@ class Sidecar:
         self.stores: dict[str, Store] = {}
         self.metrics = Metrics(stores=lambda: {s.name: s for s in self.stores.values()})
         self.tracing = Tracing.from_env()
-        self.service = TokenizerService(config.default_mode, metrics=self.metrics, tracing=self.tracing)
+        self.tier = _make_tier(config, self.metrics)
+        self.service = TokenizerService(config.default_mode, metrics=self.metrics, tracing=self.tracing,
+                                        tier=self.tier)
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.port: int | None = None
@@ -372,7 +389,8 @@ class Sidecar:
             names.setdefault(engine.fingerprint, []).append(name)
         for engine in engines.values():
             if engine.fingerprint in names:
-                engine.publish(names.pop(engine.fingerprint), {"l0": cfg.ttl_l0, "l1": cfg.ttl_l1, "ar": cfg.ttl_ar})
+                engine.publish(names.pop(engine.fingerprint), {"l0": cfg.ttl_l0, "l1": cfg.ttl_l1, "ar": cfg.ttl_ar},
+                               ar_tier=self.tier is not None)
         return engines
 
     def _each_model(self) -> Iterator[ModelSpec]:
@@ -396,6 +414,8 @@ class Sidecar:
             self.pressure = PressureMonitor(lambda: list(self.stores.values()),
                                             PressurePolicy.from_config(self.config))
             self.pressure.start()
+        if self.tier is not None:
+            await self.tier.start()  # a tier that is down is logged: Tokenize serves without it
         self.service.set_engines(engines)
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log.info("serving %d model(s): %s", len(engines), ", ".join(engines))
@@ -439,6 +459,8 @@ class Sidecar:
         if self.pressure is not None:
             self.pressure.stop()
             self.pressure = None
+        if self.tier is not None:
+            await self.tier.close()
         for store in self.stores.values():
             store.close()
         self.tracing.shutdown()

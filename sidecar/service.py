@@ -31,9 +31,11 @@ from typing import Any, NoReturn
 import grpc
 
 from tokcache.engine.errors import EngineError, InvalidRequest, RequestTooLarge, UnknownModel
+from tokcache.engine.lookup import TierNeeded
 from tokcache.sidecar.engine.model import Decision, ModelEngine, Outcome, utf8
 from tokcache.sidecar.results import MAX_KNOWN_RESULTS, ResultMemo
 from tokcache.sidecar.telemetry import Metrics, Tracing
+from tokcache.sidecar.tier import ArTier
 from tokcache.sidecar.wire import MODE_FROM_PROTO, chat_from_proto, source_to_proto, unpack_ids
 from tokcache.v1 import tokenizer_pb2 as pb
 from tokcache.v1 import tokenizer_pb2_grpc as pb_grpc
@@ -93,8 +95,11 @@ class TokenizerService(pb_grpc.TokenizerServicer):  # generated base class, unty
     """Serves ``tokcache.v1.Tokenizer``. ``engines`` is filled once loading is done."""
 
     def __init__(self, default_mode: str = "kv-stable", *, metrics: Metrics | None = None,
-                 tracing: Tracing | None = None) -> None:
+                 tracing: Tracing | None = None, tier: ArTier | None = None) -> None:
         self.engines: dict[str, ModelEngine] = {}
+        # The cluster tier for recorded outputs (None: off): read when no local AR applies to
+        # a kv-stable Tokenize, written after each verified RecordOutput.
+        self.tier = tier
         self.ready = False
         self.default_mode = default_mode
         self.metrics = metrics or Metrics()
@@ -225,7 +230,7 @@ class TokenizerService(pb_grpc.TokenizerServicer):  # generated base class, unty
 
     # -- RPCs ---------------------------------------------------------------
 
-    def _tokenize(self, call: _Call, request: pb.TokenizeRequest) -> pb.TokenizeResponse:
+    async def _tokenize(self, call: _Call, request: pb.TokenizeRequest) -> pb.TokenizeResponse:
         """One Tokenize, its store write deferred to ``call.outcome``; raises on bad input."""
         engine = self._ready_engine(request.model)
         which = request.WhichOneof("input")
@@ -253,14 +258,22 @@ class TokenizerService(pb_grpc.TokenizerServicer):  # generated base class, unty
         if len(request.known_results) > MAX_KNOWN_RESULTS:
             raise InvalidRequest("known_results", f"at most {MAX_KNOWN_RESULTS} handles, "
                                                   f"got {len(request.known_results)}")
-        out = engine.tokenize_utf8(data, n_chars, add_special_tokens=add_special, salt=request.cache_salt,
-                                   mode=mode, defer_store=True)
+        tier_attrs: dict[str, Any] | None = None
+        try:
+            out = engine.tokenize_utf8(data, n_chars, add_special_tokens=add_special, salt=request.cache_salt,
+                                       mode=mode, defer_store=True, tier=self.tier is not None)
+        except TierNeeded as need:
+            tier_attrs = await self._ask_tier(call, engine, need)
+            out = engine.tokenize_utf8(data, n_chars, add_special_tokens=add_special, salt=request.cache_salt,
+                                       mode=mode, defer_store=True)
         call.engine, call.outcome = engine, out
         d = out.decision
         if self.tracing.enabled:  # span attributes only; the metrics read the decision itself
             call.attrs = _decision_attrs(engine, d, request.cache_salt)
             call.attrs["tokcache.num_tokens"] = out.num_tokens
             call.attrs["tokcache.mode"] = mode
+            if tier_attrs:
+                call.attrs.update(tier_attrs)
         ids, base, base_tokens = out.ids, b"", 0
         if request.known_results:
             base, base_tokens = self.results.best_base(list(request.known_results), ids, request.cache_salt)
@@ -287,10 +300,26 @@ class TokenizerService(pb_grpc.TokenizerServicer):  # generated base class, unty
             ),
         )
 
+    async def _ask_tier(self, call: _Call, engine: ModelEngine, need: TierNeeded) -> dict[str, Any]:
+        """Fetch the candidate segment entries from the cluster tier, keep the verified ones
+        in the node's segment (the lookup that follows splices them); span attributes."""
+        assert self.tier is not None
+        t0 = time.perf_counter_ns()
+        fetched = await self.tier.fetch(engine.fingerprint, [key for key, _ in need.candidates])
+        stored, invalid = engine.accept_tier(need.candidates, fetched.values)
+        call.phases["tier"] = (t0, time.perf_counter_ns())
+        self.metrics.observe_tier_records(engine.name, stored, invalid)
+        if invalid:
+            log.warning("cluster tier: %d entr%s for model %s failed verification (tampered, or another "
+                        "tokenizer's); not used", invalid, "y" if invalid == 1 else "ies", engine.name)
+        return {"tokcache.tier_result": fetched.result, "tokcache.tier_keys": fetched.asked,
+                "tokcache.tier_records": stored, "tokcache.tier_invalid": invalid,
+                "tokcache.tier_seconds": fetched.seconds}
+
     async def Tokenize(self, request: pb.TokenizeRequest, context: Context) -> pb.TokenizeResponse:
         call = self._begin("Tokenize")
         try:
-            return self._tokenize(call, request)
+            return await self._tokenize(call, request)
         except grpc.aio.AbortError:
             raise
         except Exception as exc:
@@ -328,7 +357,7 @@ class TokenizerService(pb_grpc.TokenizerServicer):  # generated base class, unty
                 self._idle_streams.discard(task)
             call = self._begin("Tokenize")  # one Tokenize to metrics and traces, whatever the transport
             try:
-                reply = pb.TokenizeStreamResponse(response=self._tokenize(call, msg.request))
+                reply = pb.TokenizeStreamResponse(response=await self._tokenize(call, msg.request))
             except Exception as exc:
                 code, message = self._status(call, exc)
                 reply = pb.TokenizeStreamResponse(error=pb.StreamError(code=code.name, message=message))
@@ -361,7 +390,8 @@ class TokenizerService(pb_grpc.TokenizerServicer):  # generated base class, unty
         finally:
             self._finish(call, context)
 
-    def _record(self, engine: ModelEngine, r: pb.RecordOutputRequest) -> pb.RecordOutputResponse:
+    def _record(self, engine: ModelEngine, r: pb.RecordOutputRequest,
+                call: _Call | None = None) -> pb.RecordOutputResponse:
         for name in ("prompt_token_ids", "output_token_ids"):
             if len(getattr(r, name)) % 4:
                 raise InvalidRequest(name, "length is not a multiple of 4 (little-endian uint32 ids)")
@@ -378,6 +408,11 @@ class TokenizerService(pb_grpc.TokenizerServicer):  # generated base class, unty
             self.metrics.records.labels(engine.name, "refused").inc()
             raise
         self.metrics.records.labels(engine.name, "recorded").inc()
+        if self.tier is not None:
+            # Write-through of the verified segment entries, after the reply (a task on this loop).
+            written = self.tier.write(engine.fingerprint, out.segments)
+            if call is not None:
+                call.attrs["tokcache.tier_write"] = written
         return pb.RecordOutputResponse(recorded_tokens=out.recorded_tokens,
                                        stop_token_dropped=out.stop_token_dropped, entries=out.entries)
 
@@ -387,7 +422,7 @@ class TokenizerService(pb_grpc.TokenizerServicer):  # generated base class, unty
             engine = await self._engine(call, request.model, context)
             call.attrs = {"tokcache.model": engine.name, "tokcache.fingerprint": engine.fingerprint,
                           "tokcache.salt_present": bool(request.cache_salt)}
-            resp = self._record(engine, request)
+            resp = self._record(engine, request, call)
             call.attrs["tokcache.recorded_tokens"] = resp.recorded_tokens
             return resp
         except grpc.aio.AbortError:

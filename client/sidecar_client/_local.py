@@ -40,7 +40,7 @@ from sidecar_client._telemetry import trace_local
 from sidecar_client.errors import InvalidArgumentError, ResourceExhaustedError
 from tokcache.engine.errors import InvalidRequest, RequestTooLarge
 from tokcache.engine.ids import LISTS, Chunks
-from tokcache.engine.lookup import Limits, Lookup, PendingWrite, ReadModel, Result, commit
+from tokcache.engine.lookup import Limits, Lookup, PendingWrite, ReadModel, Result, TierNeeded, commit
 from tokcache.engine.memo import ChainMemo
 from tokcache.engine.tokenizer import Manifest, ManifestMismatch, from_manifest
 from tokcache.store import Kind, SegmentError, SegmentMismatch, Store, StoreError, StoreReader
@@ -68,7 +68,8 @@ class LocalStats:
     """What the in-process path did, since the client was made (label values as keys).
 
     - ``tokenize``: requests answered in-process, by decision source (miss, l0, l1, ar)
-    - ``fallbacks``: requests sent over RPC instead, by reason (no_segment, ...)
+    - ``fallbacks``: requests sent over RPC instead, by reason (no_segment, ..., tier: the
+      sidecar has a cluster tier and no recorded output applied here)
     - ``writes``: write-behind outcomes: stored, refused (parent gone, full), learned
       (sent to the sidecar to store), dropped (queue full), failed (store or RPC error)
     """
@@ -217,8 +218,10 @@ class LocalModel:
     """
 
     def __init__(self, name: str, reader: StoreReader, manifest_raw: bytes, model: ReadModel, limits: Limits,
-                 writer: WriteBehind, memo: ChainMemo[Chunks], writable: Store | None) -> None:
+                 writer: WriteBehind, memo: ChainMemo[Chunks], writable: Store | None, *, tier: bool = False) -> None:
         self.name = name
+        # The sidecar has a cluster tier (manifest): what no local AR applies to goes to it.
+        self.tier = tier
         self.reader = reader
         self.model = model
         self.fingerprint = model.fingerprint
@@ -278,7 +281,7 @@ class LocalModel:
                     log.info("tokcache: segment %s is not writable here (%s); learned entries go to the sidecar",
                              shm_name, exc)
             writer = WriteBehind(name, store, memo, learn, stats)
-            return cls(name, reader, raw, model, limits, writer, memo, store)
+            return cls(name, reader, raw, model, limits, writer, memo, store, tier=manifest.ar_tier)
         except BaseException:
             reader.close()
             raise
@@ -301,7 +304,9 @@ class LocalModel:
                  mode: str) -> Result[Chunks, list[int]] | None:
         """Ids of ``text`` decided in this process, or None when the mapping is stale.
 
-        Raises the engine's InvalidRequest / RequestTooLarge for bad input, like the RPC.
+        Raises the engine's InvalidRequest / RequestTooLarge for bad input, like the RPC, and
+        TierNeeded (before encoding) when the sidecar has a cluster tier and no recorded output
+        applies here: only the sidecar can ask the tier, so the request is for it.
         The learned entries are queued for the write-behind before returning.
         """
         if self.stale:
@@ -309,7 +314,8 @@ class LocalModel:
         # The previous turn's entries may still be on their way to the segment: a request
         # that extends it waits for them (~0.1-0.3 ms of work) rather than missing them.
         self.writer.wait_related(text, WAIT_RELATED_S)
-        result = self.lookup.tokenize(text, add_special_tokens=add_special_tokens, salt=salt, mode=mode)
+        result = self.lookup.tokenize(text, add_special_tokens=add_special_tokens, salt=salt, mode=mode,
+                                      tier=self.tier)
         if result.write is not None:
             self.writer.offer(result.write, text, salt, mode)
         return result
@@ -423,6 +429,9 @@ class LocalPaths:
             raise InvalidArgumentError(str(exc), field=exc.field) from exc
         except RequestTooLarge as exc:
             raise ResourceExhaustedError(str(exc)) from exc
+        except TierNeeded:  # a conversation that may come from another node: the sidecar asks the tier
+            self.stats.fallbacks["tier"] += 1
+            return None
         if result is None:  # stale mapping: the next request maps the new segment
             self.stats.fallbacks["stale"] += 1
             return None

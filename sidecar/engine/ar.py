@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from tokcache.engine.errors import InvalidRequest
 from tokcache.sidecar.engine.tokenbytes import TokenBytes
 
-__all__ = ["Segment", "VerifiedOutput", "segment_variants", "verify_output"]
+__all__ = ["Segment", "VerifiedOutput", "segment_variants", "verify_output", "verify_segment"]
 
 THINK_END = "</think>"
 
@@ -69,6 +69,18 @@ def verify_output(*, output_text: str, output_ids: list[int], finish_reason: str
     if finish_reason in ("stop", "") and droppable and decode(output_ids[:-1]) == output_text:
         return VerifiedOutput(list(output_ids[:-1]), True)
     raise InvalidRequest("output_token_ids", "decode(output_token_ids) does not equal output_text")
+
+
+def verify_segment(text: bytes, ids: list[int], *, vocab_size: int, decode: Callable[[list[int]], str]) -> bool:
+    """Whether ``ids`` may be spliced for the piece ``text`` (UTF-8): ids in the vocabulary
+    that decode exactly to it — what a recorded output's segment passed when it was recorded.
+    For entries that come from elsewhere (the cluster tier), checked again before use."""
+    if not ids or max(ids) >= vocab_size:
+        return False
+    try:
+        return decode(ids) == text.decode("utf-8")
+    except (UnicodeDecodeError, ValueError, OverflowError):
+        return False
 
 
 def segment_variants(output_text: str, ids: list[int], token_bytes: TokenBytes | None,

@@ -24,9 +24,10 @@ from tokcache.engine.lookup import Decision, Limits, Lookup, PendingWrite, commi
 from tokcache.engine.memo import ChainMemo
 from tokcache.engine.tokenizer import Manifest, Proven, fingerprint_of, prove
 from tokcache.ids import le_bytes
-from tokcache.sidecar.engine.ar import segment_variants, verify_output
+from tokcache.sidecar.engine.ar import segment_variants, verify_output, verify_segment
 from tokcache.sidecar.engine.render import ChatRenderer
 from tokcache.sidecar.engine.tokenbytes import TokenBytes
+from tokcache.sidecar.tier import decode_value
 from tokcache.store import Kind, Store, StoreError
 from tokcache.store.keys import MODE_KV_STABLE, KeyStream, l0_key, segment_key
 
@@ -45,6 +46,8 @@ class RecordResult:
     recorded_tokens: int
     stop_token_dropped: bool
     entries: int
+    # The verified segment entries, (key, packed ids): what the cluster tier gets a copy of.
+    segments: tuple[tuple[bytes, bytes], ...] = ()
 
 
 @dataclass
@@ -118,17 +121,18 @@ class ModelEngine:
         self._store = store
         self.lookup.store = store
 
-    def manifest(self, models: list[str], ttl: dict[str, float] | None = None) -> Manifest:
-        """What a reader of this model's segment needs (``models``: the names served for it)."""
+    def manifest(self, models: list[str], ttl: dict[str, float] | None = None, *, ar_tier: bool = False) -> Manifest:
+        """What a reader of this model's segment needs (``models``: the names served for it;
+        ``ar_tier``: a cluster tier is configured, so readers send what no local AR applies to here)."""
         return Manifest.of(self.proven, self.tokenizer_json, limits=self.limits, models=models,
-                           model_dirs=[str(self.path.resolve())], ttl=ttl)
+                           model_dirs=[str(self.path.resolve())], ttl=ttl, ar_tier=ar_tier)
 
-    def publish(self, models: list[str], ttl: dict[str, float] | None = None) -> bool:
+    def publish(self, models: list[str], ttl: dict[str, float] | None = None, *, ar_tier: bool = False) -> bool:
         """Publish the manifest in the segment (True), or log why readers cannot use it."""
         if self.store is None:
             return False
         try:
-            self.store.publish(self.manifest(models, ttl).to_bytes())
+            self.store.publish(self.manifest(models, ttl, ar_tier=ar_tier).to_bytes())
         except (ValueError, StoreError) as exc:
             log.warning("model %s: manifest not published (%s); clients use the RPC path", self.name, exc)
             return False
@@ -159,10 +163,15 @@ class ModelEngine:
                                   defer_store=defer_store)
 
     def tokenize_utf8(self, data: bytes, n_chars: int, *, add_special_tokens: bool, salt: str = "",
-                      mode: str = "kv-stable", defer_store: bool = False) -> Outcome:
-        """:meth:`tokenize` of a text given as valid UTF-8 ``data`` of ``n_chars`` characters."""
+                      mode: str = "kv-stable", defer_store: bool = False, tier: bool = False) -> Outcome:
+        """:meth:`tokenize` of a text given as valid UTF-8 ``data`` of ``n_chars`` characters.
+
+        ``tier``: raise :class:`~tokcache.engine.lookup.TierNeeded` (before encoding) when no
+        recorded output applies locally; the caller asks the cluster tier, passes what it got
+        to :meth:`accept_tier`, and calls again without ``tier``.
+        """
         result = self.lookup.tokenize_utf8(data, n_chars, add_special_tokens=add_special_tokens, salt=salt,
-                                           mode=mode)
+                                           mode=mode, tier=tier)
         out = Outcome(result.ids, result.decision, result.write, self)
         if not defer_store:
             out.commit()
@@ -240,13 +249,40 @@ class ModelEngine:
                 continue  # a tiny fragment ("\n") would splice into unrelated text
             key = segment_key(salt, MODE_KV_STABLE, seg.text.encode("utf-8"))
             by_start.setdefault(seg.start, []).append((key, seg.end - seg.start))
+        segments: list[tuple[bytes, bytes]] = []
         for seg_start, keys in by_start.items():
             longest = max(n for _, n in keys)
-            entries += self._put_ar(None, 0, le_bytes(array("I", verified.ids[seg_start:seg_start + longest])), keys)
+            packed = le_bytes(array("I", verified.ids[seg_start:seg_start + longest]))
+            entries += self._put_ar(None, 0, packed, keys)
+            segments += [(key, packed[:4 * n]) for key, n in keys]
         # A store that took nothing (full of a bigger record, lock stuck) is reported, not
         # raised: recording is best effort and the caller's request already succeeded.
         return RecordResult(recorded_tokens=n_out if entries else 0,
-                            stop_token_dropped=verified.stop_token_dropped, entries=entries)
+                            stop_token_dropped=verified.stop_token_dropped, entries=entries,
+                            segments=tuple(segments))
+
+    def accept_tier(self, candidates: list[tuple[bytes, bytes]], values: dict[bytes, bytes]) -> tuple[int, int]:
+        """Verify segment entries read from the cluster tier and store the good ones here.
+
+        ``candidates``: (segment key, piece text) as :class:`TierNeeded` named them;
+        ``values``: the tier's value per key. A value is used only if it was written for
+        this tokenizer (fingerprint), its ids are in the vocabulary and decode exactly to
+        the piece's text — the checks a local RecordOutput passes, so a tampered or foreign
+        value is never spliced. Returns (stored, invalid). Never raises.
+        """
+        if not values or self.store is None:
+            return 0, 0
+        stored = invalid = 0
+        for key, text in candidates:
+            value = values.get(key)
+            if value is None:
+                continue
+            ids = decode_value(value, self.fingerprint)
+            if ids is None or not verify_segment(text, ids, vocab_size=self.vocab_size, decode=self._decode):
+                invalid += 1
+                continue
+            stored += 1 if self._put_ar(None, 0, le_bytes(array("I", ids)), [(key, len(ids))]) else 0
+        return stored, invalid
 
     def _put_ar(self, parent: bytes | None, parent_tokens: int, ids: bytes,
                 keys: list[tuple[bytes, int]]) -> int:

@@ -102,8 +102,46 @@ class Metrics:
                                 ["model", "fingerprint", "backend"], registry=r)
         self.l1_enabled = Gauge("tokcache_l1_enabled", "1 if the model has safe boundaries (L1 on)",
                                 ["model"], registry=r)
+        # The cluster tier (tokcache.sidecar.tier); series exist at zero without one.
+        self.tier_lookups = Counter("tokcache_tier_lookups", "Cluster tier reads (one per Tokenize that asked), "
+                                    "by result", ["result"], registry=r)
+        self.tier_records = Counter("tokcache_tier_records", "Entries read from the cluster tier, by "
+                                    "verification result", ["model", "result"], registry=r)
+        self.tier_writes = Counter("tokcache_tier_writes", "Recorded outputs written through to the cluster "
+                                   "tier, by result", ["result"], registry=r)
+        self.tier_duration = Histogram("tokcache_tier_duration_seconds", "Cluster tier round trips",
+                                       ["op"], buckets=LATENCY_BUCKETS, registry=r)
+        self.tier_breaker = Gauge("tokcache_tier_breaker_state", "Cluster tier circuit breaker: 0 closed, "
+                                  "1 half-open, 2 open (0 without a tier)", registry=r)
+        for result in ("hit", "miss", "error", "refused"):
+            self.tier_lookups.labels(result)
+        for result in ("ok", "error", "dropped", "refused"):
+            self.tier_writes.labels(result)
+        for op in ("fetch", "write"):
+            self.tier_duration.labels(op)
         if stores is not None:
             r.register(_StoreCollector(stores))
+
+    def add_tier(self, state: Callable[[], str]) -> None:
+        """Report the tier's breaker; ``state()`` is read at scrape time."""
+        codes = {"closed": 0, "half_open": 1, "open": 2}
+        self.tier_breaker.set_function(lambda: codes.get(state(), 0))
+
+    def observe_tier(self, op: str, result: str, seconds: float) -> None:
+        """One tier call (the tier's ``observe`` hook): ``op`` fetch or write."""
+        if op == "fetch":
+            self._child(self.tier_lookups, result).inc()
+        else:
+            self._child(self.tier_writes, result).inc()
+        if result not in ("refused", "dropped"):
+            self._child(self.tier_duration, op).observe(seconds)
+
+    def observe_tier_records(self, model: str, stored: int, invalid: int) -> None:
+        """Entries a tier read returned: ``stored`` verified (kept locally), ``invalid`` refused."""
+        if stored:
+            self._child(self.tier_records, model, "stored").inc(stored)
+        if invalid:
+            self._child(self.tier_records, model, "invalid").inc(invalid)
 
     def add_model(self, model: str, fingerprint: str, backend: str, l1_enabled: bool) -> None:
         """Publish a served model and create its series at zero, so they exist before traffic."""
@@ -114,6 +152,8 @@ class Metrics:
             counter.labels(model)
         for result in ("recorded", "refused"):
             self.records.labels(model, result)
+        for result in ("stored", "invalid"):
+            self.tier_records.labels(model, result)
         for source in ("miss", "l0", "l1", "ar"):
             self.decisions.labels(model, source)
         for layer in ("l0", "l1", "ar_prefix", "ar_segment"):

@@ -91,7 +91,7 @@ class CacheView(Protocol):
     def read(self, key: bytes, known: Known | None = None) -> Walk | None: ...
 
 
-class TierNeeded(Exception):  # noqa: N818 - a signal to the caller, not an error
+class TierNeeded(Exception):  # a signal to the caller, not an error
     """Raised by ``tokenize(..., tier=True)`` before encoding: no recorded output applies to
     this kv-stable request here (no prefix AR hit, no segment splice), and pieces of its tail
     could be outputs recorded on another node.

@@ -99,12 +99,15 @@ class Manifest:
     # Entry lifetimes in seconds by kind ("l0", "l1", "ar"; 0: none): a process that writes
     # into the segment gives its entries the same TTLs as the sidecar.
     ttl: dict[str, float] = field(default_factory=dict)
+    # The sidecar has a cluster tier for recorded outputs: a reader sends a kv-stable request
+    # that no local AR applies to over RPC (the sidecar asks the tier; readers cannot).
+    ar_tier: bool = False
     tokcache: str = ""
     format: int = MANIFEST_FORMAT
 
     @classmethod
     def of(cls, proven: Proven, tokenizer_json: Path, *, limits: Limits, models: list[str],
-           model_dirs: list[str], ttl: dict[str, float] | None = None) -> Manifest:
+           model_dirs: list[str], ttl: dict[str, float] | None = None, ar_tier: bool = False) -> Manifest:
         """The manifest a sidecar publishes for ``proven``."""
         ids = sorted(_boundary_ids(tokenizer_json, proven.boundaries.boundary_tokens))
         ranges: list[list[int]] = []
@@ -122,7 +125,7 @@ class Manifest:
             affix_prefix=list(m.affixes.prefix), affix_suffix=list(m.affixes.suffix),
             affix_separable=m.affixes.separable, affix_reason=m.affixes.reason,
             max_text_bytes=limits.max_text_bytes, models=models, model_dirs=model_dirs,
-            tokcache=_version("tokcache"), ttl=dict(ttl or {}))
+            tokcache=_version("tokcache"), ttl=dict(ttl or {}), ar_tier=ar_tier)
 
     def to_bytes(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":"), sort_keys=True).encode("utf-8")

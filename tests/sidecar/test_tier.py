@@ -1,0 +1,242 @@
+"""The cluster tier (tokcache.sidecar.tier) against real redis-server processes on loopback.
+
+A single node and a three-node cluster (``redis-cli --cluster create``); failures are real:
+SIGKILL of the server (or of one cluster node), then a restart on the same port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.redis_servers import RedisCluster, RedisServer, cluster, server
+from tokcache.ids import pack_ids
+from tokcache.sidecar.config import ConfigError, load_config
+from tokcache.sidecar.tier import (
+    ArTier,
+    TierUrl,
+    TierUrlError,
+    decode_value,
+    encode_value,
+    redacted,
+    tier_key,
+)
+
+pytest.importorskip("redis")
+
+FP = "0123456789abcdef0123456789abcdef"
+OTHER_FP = "f" * 32
+
+
+def _keys(n: int) -> list[bytes]:
+    return [os.urandom(16) for _ in range(n)]
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Iterator[RedisServer]:
+    with server(tmp_path / "redis") as s:
+        yield s
+
+
+@pytest.fixture
+def three(tmp_path: Path) -> Iterator[RedisCluster]:
+    with cluster(tmp_path / "cluster") as c:
+        yield c
+
+
+class Observed:
+    """What the tier reported to its ``observe`` hook (the metrics do the same)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str]] = []
+
+    def __call__(self, op: str, result: str, seconds: float) -> None:
+        assert seconds >= 0
+        self.calls.append((op, result))
+
+    def count(self, op: str, result: str) -> int:
+        return self.calls.count((op, result))
+
+
+# -- URLs and values (no server) -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("url", "cluster_mode", "shown"), [
+    ("redis://127.0.0.1:6379/0", False, "redis://127.0.0.1:6379/0"),
+    ("rediss://user:s3cret@cache.example:6380/2", False, "rediss://cache.example:6380/2"),
+    ("redis+cluster://:pw@10.0.0.1:7000", True, "redis+cluster://10.0.0.1:7000"),
+    ("rediss+cluster://valkey.svc:6379", True, "rediss+cluster://valkey.svc:6379"),
+])
+def test_urls(url: str, cluster_mode: bool, shown: str) -> None:
+    parsed = TierUrl.parse(url)
+    assert parsed.cluster is cluster_mode and parsed.display == shown
+    assert "+cluster" not in parsed.url and parsed.url.startswith(("redis://", "rediss://"))
+
+
+@pytest.mark.parametrize("url", ["http://h:1", "redis://:secret@/0", "redis://h:99999", "redis://h:1/x",
+                                 "redis+cluster://h:1/3", "h:6379"])
+def test_bad_urls_name_the_flag_and_hide_the_password(url: str) -> None:
+    with pytest.raises(TierUrlError) as info:
+        TierUrl.parse(url)
+    assert "secret" not in str(info.value)
+    with pytest.raises(ConfigError) as cfg:
+        load_config({"ar_store": url}, {})
+    assert str(cfg.value).startswith("ar_store (--ar-store): ") and "secret" not in str(cfg.value)
+    assert redacted("redis://u:secret@h:1/0") == "redis://h:1/0"
+
+
+def test_config_from_env_and_timeout() -> None:
+    cfg = load_config({}, {"TOKCACHE_AR_STORE": "redis://:pw@h:1/0", "TOKCACHE_AR_STORE_TIMEOUT_MS": "35"})
+    assert cfg.ar_store == "redis://:pw@h:1/0" and cfg.ar_store_timeout_ms == 35.0
+    assert "pw" not in repr(cfg)  # a Config is logged and printed: the URL is not in its repr
+    with pytest.raises(ConfigError, match="ar_store_timeout_ms"):
+        load_config({"ar_store_timeout_ms": "0"}, {})
+
+
+def test_values_carry_the_fingerprint() -> None:
+    value = encode_value(FP, [1, 2, 70000])
+    assert decode_value(value, FP) == [1, 2, 70000]
+    assert decode_value(value, OTHER_FP) is None  # another tokenizer's record
+    assert decode_value(value[:-1], FP) is None  # not whole ids
+    assert decode_value(b"junk" + value[4:], FP) is None
+    assert decode_value(encode_value(FP, b""), FP) is None  # no ids
+    assert tier_key(FP, b"\x01" * 16) == b"tokcache:ar:" + FP.encode() + b":" + b"01" * 16
+
+
+# -- one node --------------------------------------------------------------------------------
+
+
+def test_write_then_fetch_in_one_round_trip(node: RedisServer) -> None:
+    seen = Observed()
+
+    async def main() -> None:
+        tier = ArTier(TierUrl.parse(node.url), timeout_s=0.5, ttl_s=120, observe=seen)
+        assert await tier.start()
+        keys = _keys(5)
+        assert tier.write(FP, [(k, pack_ids([i, i + 1])) for i, k in enumerate(keys[:3])]) == "queued"
+        assert await tier.flush()
+        got = await tier.fetch(FP, keys)
+        assert got.result == "hit" and got.asked == 5
+        assert {k: decode_value(v, FP) for k, v in got.values.items()} == {keys[0]: [0, 1], keys[1]: [1, 2],
+                                                                         keys[2]: [2, 3]}
+        assert (await tier.fetch(FP, _keys(3))).result == "miss"
+        assert (await tier.fetch(OTHER_FP, keys)).result == "miss"  # keys are per tokenizer
+        await tier.close()
+
+    asyncio.run(main())
+    assert seen.count("write", "ok") == 1 and seen.count("fetch", "hit") == 1 and seen.count("fetch", "miss") == 2
+    # One MGET for five keys (redis counts commands per type).
+    assert "cmdstat_mget:calls=3," in node.cmd("INFO", "commandstats")
+    ttl = int(node.cmd("TTL", tier_key(FP, b"\0" * 16).decode()).strip() or -2)
+    assert ttl == -2  # absent key
+    stored = node.cmd("KEYS", "tokcache:ar:*").split()
+    assert len(stored) == 3 and all(0 < int(node.cmd("TTL", k)) <= 120 for k in stored)
+    # Keys are hashes: no text is ever sent to the tier.
+    assert all(len(k.rsplit(":", 1)[1]) == 32 for k in stored)
+
+
+def test_a_killed_server_costs_one_deadline_then_the_breaker_refuses_then_it_comes_back(node: RedisServer) -> None:
+    seen = Observed()
+
+    async def main() -> None:
+        tier = ArTier(TierUrl.parse(node.url), timeout_s=0.05, ttl_s=60, observe=seen, breaker_failures=2,
+                      breaker_reset_s=0.5)
+        assert await tier.start()
+        keys = _keys(2)
+        tier.write(FP, [(keys[0], pack_ids([7]))])
+        assert await tier.flush()
+        node.kill()
+        results = []
+        for _ in range(6):
+            t0 = time.perf_counter()
+            got = await tier.fetch(FP, keys)
+            results.append(got.result)
+            assert time.perf_counter() - t0 < 0.5  # never more than about one deadline
+        assert results[:2] == ["error", "error"] and set(results[2:]) == {"refused"}
+        assert tier.state == "open"
+        assert tier.write(FP, [(keys[1], pack_ids([8]))]) == "refused"
+        node.start()
+        await asyncio.sleep(0.6)  # reset_s: the next call is the probe
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            got = await tier.fetch(FP, keys)
+            if got.result in ("hit", "miss"):
+                break
+            await asyncio.sleep(0.6)
+        assert got.result == "miss"  # the restarted server has no persistence: nothing there
+        assert tier.state == "closed"
+        await tier.close()
+
+    asyncio.run(main())
+    assert seen.count("fetch", "error") >= 2 and seen.count("fetch", "refused") >= 4
+    assert seen.count("write", "refused") == 1
+
+
+def test_a_server_that_is_down_at_start_is_not_fatal(tmp_path: Path) -> None:
+    port = RedisServer(tmp_path).port  # nothing listens there
+
+    async def main() -> None:
+        tier = ArTier(TierUrl.parse(f"redis://127.0.0.1:{port}/0"), timeout_s=0.05)
+        assert not await tier.start()
+        assert (await tier.fetch(FP, _keys(1))).result == "error"
+        await tier.close()
+
+    asyncio.run(main())
+
+
+# -- cluster ---------------------------------------------------------------------------------
+
+
+def test_cluster_mode_spreads_keys_and_reads_them_in_one_call(three: RedisCluster) -> None:
+    async def main() -> None:
+        tier = ArTier(TierUrl.parse(three.url), timeout_s=0.5, ttl_s=60)
+        assert await tier.start()
+        keys = _keys(60)
+        tier.write(FP, [(k, pack_ids([i])) for i, k in enumerate(keys)])
+        assert await tier.flush()
+        got = await tier.fetch(FP, keys + _keys(5))
+        assert got.result == "hit" and len(got.values) == 60
+        assert [decode_value(got.values[k], FP) for k in keys] == [[i] for i in range(60)]
+        await tier.close()
+
+    asyncio.run(main())
+    per_node = [int(n.cmd("DBSIZE").strip()) for n in three.nodes]
+    assert sum(per_node) == 60 and all(per_node), per_node  # no hash tag: every master holds some
+
+
+def test_cluster_node_killed_fails_open_and_recovers(three: RedisCluster) -> None:
+    async def main() -> None:
+        tier = ArTier(TierUrl.parse(three.url), timeout_s=0.1, ttl_s=60, breaker_failures=2, breaker_reset_s=0.5)
+        assert await tier.start()
+        keys = _keys(30)
+        tier.write(FP, [(k, pack_ids([1])) for k in keys])
+        assert await tier.flush()
+        victim = three.nodes[1]
+        victim.kill()
+        outcomes = []
+        for _ in range(8):
+            t0 = time.perf_counter()
+            outcomes.append((await tier.fetch(FP, keys)).result)
+            assert time.perf_counter() - t0 < 1.0
+            await asyncio.sleep(0.05)
+        assert "error" in outcomes or "refused" in outcomes
+        victim.start()
+        three.wait_ok()
+        deadline = time.monotonic() + 20
+        got = None
+        while time.monotonic() < deadline:
+            got = await tier.fetch(FP, keys)
+            if got.result == "hit":
+                break
+            await asyncio.sleep(0.3)
+        assert got is not None and got.result == "hit"
+        # The node came back empty (no persistence); the others' keys are read again.
+        assert 0 < len(got.values) < 30
+        await tier.close()
+
+    asyncio.run(main())
