@@ -138,3 +138,19 @@ def test_scan_memo_tells_conversations_apart(qwen3_path: Path) -> None:
                 assert scan.base_len == len(prev.encode()), (turn, c)
     entries = sum(len(b) for b in scanner._memo.values())
     assert entries == len(convs)
+
+
+def test_added_tokens_parses_only_the_array(qwen3_path: Path, llama32_path: Path, tmp_path: Path) -> None:
+    """``added_tokens`` reads the array alone; same answer as parsing the whole file, also
+    for a file that puts the key last, has a long array, or has none."""
+    from tokcache.engine.boundaries import added_tokens
+
+    for path in (qwen3_path / "tokenizer.json", llama32_path / "tokenizer.json"):
+        want = json.loads(path.read_text())["added_tokens"]
+        assert added_tokens(path) == want and len(want) > 20
+    long = [{"id": i, "content": f"<|reserved_{i}|>" + "é" * 40, "special": True} for i in range(3000)]
+    for name, doc in (("last", {"model": {"vocab": {"a": 0}}, "added_tokens": long}),
+                      ("none", {"model": {"vocab": {"added_tokens": 1}}})):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(doc, ensure_ascii=False))
+        assert added_tokens(path) == doc.get("added_tokens", [])
