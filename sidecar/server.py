@@ -289,7 +289,6 @@ def _make_tier(config: Config, metrics: Metrics) -> ArTier | None:
                       observe=metrics.observe_tier)
     except ImportError as exc:
         raise StartupError(f"{flag('ar_store')} {url.display}: {exc}") from exc
-    metrics.add_tier(lambda: tier.state)
     return tier
 
 

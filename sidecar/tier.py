@@ -40,9 +40,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import time
 from array import array
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -174,9 +175,10 @@ class ArTier:
     """The cluster tier of one sidecar process. Use from its event loop only.
 
     Create with a parsed URL (no I/O; redis-py is imported here, ImportError without it),
-    then :meth:`start` on the loop. ``observe`` (optional) is called as
-    ``observe(op, result, seconds)`` for every fetch and write (metrics); ``ttl_s`` is
-    the entries' lifetime in the tier.
+    then :meth:`start` on the loop. ``observe`` (optional) is called on the loop as
+    ``observe(op, result, seconds)`` for every fetch and write, and as
+    ``observe("breaker", new_state, 0.0)`` when the breaker changes state (metrics);
+    ``ttl_s`` is the entries' lifetime in the tier.
     """
 
     def __init__(self, url: TierUrl, *, timeout_s: float = DEFAULT_TIMEOUT_MS / 1000, ttl_s: float = DEFAULT_TTL_S,
@@ -257,10 +259,9 @@ class ArTier:
         names = [tier_key(fingerprint, k) for k in keys]
         t0 = time.perf_counter()
         try:
-            if self.url.cluster:
-                values = await asyncio.wait_for(self.client.mget_nonatomic(names), self.timeout_s)
-            else:
-                values = await asyncio.wait_for(self.client.mget(names), self.timeout_s)
+            client = self.client
+            values = await _within(client.mget_nonatomic(names) if self.url.cluster else client.mget(names),
+                                   self.timeout_s)
         except Exception as exc:  # timeouts, connection and cluster errors: fail open
             seconds = time.perf_counter() - t0
             self._failed("read", exc)
@@ -298,7 +299,7 @@ class ArTier:
             pipe = self.client.pipeline(transaction=False)
             for key, packed in items:
                 pipe.set(tier_key(fingerprint, key), encode_value(fingerprint, packed), ex=self.ttl_s)
-            await asyncio.wait_for(pipe.execute(), self.write_timeout_s)
+            await _within(pipe.execute(), self.write_timeout_s)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # fail open
@@ -336,11 +337,21 @@ class ArTier:
     def _changed(self, old: str, new: str) -> None:
         level = logging.INFO if new == "closed" else logging.WARNING
         log.log(level, "cluster tier %s: breaker %s -> %s", self.url.display, old, new)
+        self._count("breaker", new, 0.0)
 
     @property
     def state(self) -> str:
         """The breaker's state: closed (in use), open (not asked), half_open (one probe allowed)."""
         return self.breaker.state
+
+
+async def _within(call: Awaitable[Any], seconds: float) -> Any:  # redis-py's replies are untyped
+    """``await call``, cancelled after ``seconds`` (TimeoutError). On 3.11+ without wait_for's
+    extra task (tens of µs on a ~150 µs round trip)."""
+    if sys.version_info >= (3, 11):
+        async with asyncio.timeout(seconds):
+            return await call
+    return await asyncio.wait_for(call, seconds)
 
 
 def _one_line(exc: BaseException) -> str:

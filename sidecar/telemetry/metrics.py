@@ -122,13 +122,13 @@ class Metrics:
         if stores is not None:
             r.register(_StoreCollector(stores))
 
-    def add_tier(self, state: Callable[[], str]) -> None:
-        """Report the tier's breaker; ``state()`` is read at scrape time."""
-        codes = {"closed": 0, "half_open": 1, "open": 2}
-        self.tier_breaker.set_function(lambda: codes.get(state(), 0))
-
     def observe_tier(self, op: str, result: str, seconds: float) -> None:
-        """One tier call (the tier's ``observe`` hook): ``op`` fetch or write."""
+        """The tier's ``observe`` hook: a call (``op`` fetch or write) or a breaker change
+        (``op`` breaker, ``result`` the new state; set here, on the loop, never read from
+        the scrape thread)."""
+        if op == "breaker":
+            self.tier_breaker.set({"closed": 0, "half_open": 1, "open": 2}.get(result, 0))
+            return
         if op == "fetch":
             self._child(self.tier_lookups, result).inc()
         else:

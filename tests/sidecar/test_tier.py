@@ -175,6 +175,29 @@ def test_a_killed_server_costs_one_deadline_then_the_breaker_refuses_then_it_com
     asyncio.run(main())
     assert seen.count("fetch", "error") >= 2 and seen.count("fetch", "refused") >= 4
     assert seen.count("write", "refused") == 1
+    # The breaker's changes, in order, as the metrics see them.
+    assert [r for op, r in seen.calls if op == "breaker"] == ["open", "half_open", "closed"]
+
+
+def test_metrics_follow_the_tier() -> None:
+    from prometheus_client import generate_latest
+
+    from tokcache.sidecar.telemetry import Metrics
+
+    m = Metrics()
+    text = generate_latest(m.registry).decode()
+    assert "tokcache_tier_breaker_state 0.0" in text and 'tokcache_tier_lookups_total{result="error"} 0.0' in text
+    m.observe_tier("fetch", "hit", 0.0002)
+    m.observe_tier("write", "dropped", 0.0)
+    m.observe_tier("breaker", "open", 0.0)
+    m.observe_tier_records("qwen3", 2, 1)
+    text = generate_latest(m.registry).decode()
+    assert "tokcache_tier_breaker_state 2.0" in text
+    assert 'tokcache_tier_lookups_total{result="hit"} 1.0' in text
+    assert 'tokcache_tier_writes_total{result="dropped"} 1.0' in text
+    assert 'tokcache_tier_duration_seconds_count{op="fetch"} 1.0' in text
+    assert 'tokcache_tier_duration_seconds_count{op="write"} 0.0' in text  # a dropped write took no time
+    assert 'tokcache_tier_records_total{model="qwen3",result="invalid"} 1.0' in text
 
 
 def test_a_server_that_is_down_at_start_is_not_fatal(tmp_path: Path) -> None:
