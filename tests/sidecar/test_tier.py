@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -96,6 +98,15 @@ def test_config_from_env_and_timeout() -> None:
     assert "pw" not in repr(cfg)  # a Config is logged and printed: the URL is not in its repr
     with pytest.raises(ConfigError, match="ar_store_timeout_ms"):
         load_config({"ar_store_timeout_ms": "0"}, {})
+
+
+def test_a_bad_url_stops_the_start_with_one_line(qwen3_path: Path, tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "tokcache.sidecar.cli", "serve", "--listen",
+                           f"unix://{tmp_path}/s.sock", "--model", f"q={qwen3_path}",
+                           "--ar-store", "http://user:secret@tier:1"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("tokcache-sidecar: ar_store (--ar-store): http://tier:1: the scheme must be")
+    assert proc.stderr.count("\n") == 1 and "secret" not in proc.stderr
 
 
 def test_values_carry_the_fingerprint() -> None:
