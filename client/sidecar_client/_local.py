@@ -352,7 +352,9 @@ class LocalPaths:
         self._failed: dict[str, tuple[float, str]] = {}  # model -> (time of the next attempt, reason)
         self._logged: set[tuple[str, str]] = set()
         self._old: list[LocalModel] = []
-        # Guards _models/_failed/_infos/_logged/_old; tokenize runs outside it.
+        self._opening: set[str] = set()  # models a thread is opening now
+        self._closed = False
+        # Guards _models/_failed/_infos/_logged/_old/_opening; opening and tokenize run outside it.
         self._lock = threading.Lock()
 
     def knows(self, model: str) -> bool:
@@ -376,17 +378,27 @@ class LocalPaths:
         return (info[3] if info else "") or "kv-stable"
 
     def get(self, model: str) -> LocalModel | None:
-        """The model's in-process path, opening it on first use; None: use the RPC path."""
+        """The model's in-process path, opening it on first use; None: use the RPC path.
+
+        Opening (mapping the segment, loading the encoder: ~1 s, more on a busy node)
+        happens outside the lock: while one thread opens a model, other callers get None
+        at once (their requests go over RPC) instead of waiting for it.
+        """
         local = self._models.get(model)
         if local is not None and not local.stale:
             return local
         with self._lock:
+            if self._closed:
+                return None
             local = self._models.get(model)
             if local is not None and not local.stale:
                 return local
             if local is not None:  # replaced segment or new manifest: map the new one
                 del self._models[model]
                 self._old.append(local)  # closed with the client: a racing request may still use it
+            if model in self._opening:
+                self._failed.setdefault(model, (0.0, "opening"))
+                return None
             if time.monotonic() < self._failed.get(model, (0.0, ""))[0]:
                 return None
             info = self._infos.get(model)
@@ -398,14 +410,30 @@ class LocalPaths:
                 self._fallback(model, "no_cache", f"the sidecar has no shared-memory cache for {model!r}")
                 return None
             tokenizer_json = find_tokenizer_json(self.tokenizers.get(model), model_dir)
-            try:
-                local = LocalModel.open(model, shm_name, tokenizer_json=tokenizer_json, fingerprint=fingerprint,
-                                        writable=self.writable, learn=self.learn, stats=self.stats)
-            except LocalUnavailable as exc:
+            self._opening.add(model)
+            self._failed[model] = (0.0, "opening")
+        try:
+            local = LocalModel.open(model, shm_name, tokenizer_json=tokenizer_json, fingerprint=fingerprint,
+                                    writable=self.writable, learn=self.learn, stats=self.stats)
+        except LocalUnavailable as exc:
+            with self._lock:
+                self._opening.discard(model)
                 self._fallback(model, exc.reason, str(exc))
-                return None
-            self._models[model] = local
-            self._failed.pop(model, None)
+            return None
+        except BaseException:
+            with self._lock:
+                self._opening.discard(model)
+                self._failed.pop(model, None)
+            raise
+        with self._lock:
+            self._opening.discard(model)
+            closed = self._closed
+            if not closed:
+                self._models[model] = local
+                self._failed.pop(model, None)
+        if closed:  # the client closed while this thread opened it
+            local.close()
+            return None
         log.info("tokcache: model %r is tokenized in this process from segment %s (%s writes, encoder %s)",
                  model, shm_name, "direct" if local.writer.direct else "sidecar", local.model.encoder.name)
         return local
@@ -474,6 +502,7 @@ class LocalPaths:
     def close(self) -> None:
         """Write what is pending and unmap every segment. Idempotent."""
         with self._lock:
+            self._closed = True
             models, self._models = [*self._models.values(), *self._old], {}
             self._old = []
         for local in models:

@@ -237,3 +237,83 @@ def test_a_segment_the_client_may_not_write_is_read_and_learned_through_the_side
             time.sleep(0.1)
         else:
             pytest.fail("the sidecar never stored what the client learned")
+
+
+def test_while_one_thread_opens_the_segment_other_requests_use_rpc(
+        sidecar: tuple[SidecarProcess, int], qwen3_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Opening (map + load the encoder, ~1 s) holds no lock callers wait on: a request that
+    arrives meanwhile is answered over RPC at once (fallback 'opening'); the opener's
+    result then serves in-process. A client closed during an open keeps nothing mapped."""
+    import threading
+    import time
+
+    from sidecar_client import _local
+
+    proc, _ = sidecar
+    real_open = _local.LocalModel.open
+    entered, release = threading.Event(), threading.Event()
+
+    def slow_open(*args: object, **kwargs: object) -> _local.LocalModel:
+        entered.set()
+        assert release.wait(30)
+        return real_open(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_local.LocalModel, "open", staticmethod(slow_open))
+    with SidecarClient(proc.address) as c:
+        c._local.set_models(c.list_models())  # type: ignore[union-attr]
+        opener = threading.Thread(target=c._local.get, args=("qwen3",))  # type: ignore[union-attr]
+        opener.start()
+        assert entered.wait(30)
+        t0 = time.monotonic()
+        r = c.tokenize("qwen3", text="while the segment is being opened", add_special_tokens=False)
+        assert r.served_by == "sidecar" and time.monotonic() - t0 < 5
+        assert c.stats()["fallbacks"] == {"opening": 1}
+        release.set()
+        opener.join(30)
+        assert c.tokenize("qwen3", text="after it opened", add_special_tokens=False).served_by == "local"
+
+    entered.clear()
+    release.clear()
+    c = SidecarClient(proc.address)
+    c._local.set_models(c.list_models())  # type: ignore[union-attr]
+    got: list[object] = []
+    opener = threading.Thread(target=lambda: got.append(c._local.get("qwen3")))  # type: ignore[union-attr]
+    opener.start()
+    assert entered.wait(30)
+    c.close()
+    release.set()
+    opener.join(30)
+    assert got == [None]  # the model it opened was closed at once, not left mapped
+    assert not c._local._models  # type: ignore[union-attr]
+
+
+def test_the_plugin_opens_the_segment_during_its_handshake(
+        sidecar: tuple[SidecarProcess, int], qwen3_path: Path) -> None:
+    """vLLM's first prompt does not pay for mapping the segment and loading the encoder on
+    the event loop: the handshake starts that on a worker thread, and once it is done the
+    first prompt is read in-process."""
+    import asyncio
+
+    from sidecar_client.vllm._config import PluginConfig
+    from sidecar_client.vllm._link import Served, SidecarLink
+    from sidecar_client.vllm._stats import PluginStats
+    from tokcache.engine.tokenizer import fingerprint_of
+
+    proc, _ = sidecar
+    tj = qwen3_path / "tokenizer.json"
+
+    async def main() -> None:
+        link = SidecarLink(PluginConfig(address=proc.address, timeout_s=5.0), fingerprint_of(tj), PluginStats(),
+                           tokenizer_file=str(tj))
+        task = link._maybe_start_handshake()
+        assert task is not None
+        await task
+        assert link.ready and link._opening is not None
+        local = await link._opening  # no prompt has been tokenized yet
+        assert local is not None and link.client().local is not None
+        assert link.client().local._models == {"qwen3": local}  # type: ignore[union-attr]
+        out = await link.tokenize("<|im_start|>user\nhi<|im_end|>\n", add_special_tokens=False, cache_salt=None)
+        assert isinstance(out, Served) and out.served_by == "local"
+        await link.close()
+
+    asyncio.run(main())

@@ -102,6 +102,7 @@ class SidecarLink:
         self.reason = ""
         self._retry_at = 0.0
         self._inflight: asyncio.Task[None] | None = None
+        self._opening: asyncio.Future[Any] | None = None  # the in-process path being opened (a worker thread)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._client: AsyncSidecarClient | None = None
         self._models: list[Any] = []  # the last ListModels answer (for a client made later)
@@ -230,6 +231,9 @@ class SidecarLink:
             if self.tokenizer_file:
                 client.local.tokenizers[chosen.name] = Path(self.tokenizer_file)
             client.local.set_models(self._models)
+            # Map the segment and load the encoder (~1 s) on a worker thread now, not in the
+            # first prompt on the event loop; prompts go over RPC until it is done.
+            self._opening = asyncio.get_running_loop().run_in_executor(None, client.local.get, chosen.name)
         self._set_handshake("ready")
 
     def _refuse(self, reason: str) -> None:

@@ -300,7 +300,7 @@ class BoundaryScanner:
                 assert old is not None
                 m = len(old)
                 if best_len < m <= n and seq[max(0, m - _MEMO_CHECK):m] == old[-_MEMO_CHECK:] \
-                        and seq.startswith(old):
+                        and seq.startswith(old):  # type: ignore[arg-type]  # old has seq's type
                     best, best_len = c, m
             if best is not None:
                 return best
@@ -345,7 +345,7 @@ class BoundaryScanner:
         # turn), so the budget holds as many conversations as it can.
         old_key = self._file(base, is_text) if base is not None and (base.text is not None) == is_text else None
         with self._lock:
-            if old_key is not None:
+            if old_key is not None and base is not None:
                 self._drop(old_key, base)
             if key is not None:
                 bucket = self._memo.setdefault(key, [])
