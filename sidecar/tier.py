@@ -70,6 +70,10 @@ BREAKER_RESET_S = 2.0
 MAX_PENDING_WRITES = 256
 # A tier entry outlives no local one: --ttl-ar when set, else this (Redis must not fill up).
 DEFAULT_TTL_S = 3600.0
+# Keys asked in one read at most: the ones nearest the end of the text (the newest pieces).
+# A moved conversation of ~800 KB has ~10k candidate keys; building and parsing them all
+# would eat the deadline, and a deadline missed by size must not count against the tier.
+MAX_FETCH_KEYS = 4096
 # How long the first connection (cluster discovery included) may take at start.
 START_TIMEOUT_S = 2.0
 
@@ -253,6 +257,7 @@ class ArTier:
         trip, within the read deadline. Never raises; see :class:`TierFetch`."""
         if not keys:
             return TierFetch("miss", {})
+        keys = keys[-MAX_FETCH_KEYS:]
         if not self.breaker.allow():
             self._count("fetch", "refused", 0.0)
             return TierFetch("refused", {}, asked=len(keys))

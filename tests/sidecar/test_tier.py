@@ -20,6 +20,7 @@ from tests.redis_servers import RedisCluster, RedisServer, cluster, server
 from tokcache.ids import pack_ids
 from tokcache.sidecar.config import ConfigError, load_config
 from tokcache.sidecar.tier import (
+    MAX_FETCH_KEYS,
     ArTier,
     TierUrl,
     TierUrlError,
@@ -137,12 +138,15 @@ def test_write_then_fetch_in_one_round_trip(node: RedisServer) -> None:
                                                                          keys[2]: [2, 3]}
         assert (await tier.fetch(FP, _keys(3))).result == "miss"
         assert (await tier.fetch(OTHER_FP, keys)).result == "miss"  # keys are per tokenizer
+        many = _keys(MAX_FETCH_KEYS) + keys  # more than one read asks: the newest are kept
+        got = await tier.fetch(FP, many)
+        assert got.asked == MAX_FETCH_KEYS and len(got.values) == 3
         await tier.close()
 
     asyncio.run(main())
-    assert seen.count("write", "ok") == 1 and seen.count("fetch", "hit") == 1 and seen.count("fetch", "miss") == 2
+    assert seen.count("write", "ok") == 1 and seen.count("fetch", "hit") == 2 and seen.count("fetch", "miss") == 2
     # One MGET for five keys (redis counts commands per type).
-    assert "cmdstat_mget:calls=3," in node.cmd("INFO", "commandstats")
+    assert "cmdstat_mget:calls=4," in node.cmd("INFO", "commandstats")
     ttl = int(node.cmd("TTL", tier_key(FP, b"\0" * 16).decode()).strip() or -2)
     assert ttl == -2  # absent key
     stored = node.cmd("KEYS", "tokcache:ar:*").split()
