@@ -43,7 +43,7 @@ import logging
 import sys
 import time
 from array import array
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -186,7 +186,7 @@ class ArTier:
     """
 
     def __init__(self, url: TierUrl, *, timeout_s: float = DEFAULT_TIMEOUT_MS / 1000, ttl_s: float = DEFAULT_TTL_S,
-                 observe: Any = None, breaker_failures: int = BREAKER_FAILURES,
+                 observe: Callable[[str, str, float], None] | None = None, breaker_failures: int = BREAKER_FAILURES,
                  breaker_reset_s: float = BREAKER_RESET_S, max_pending_writes: int = MAX_PENDING_WRITES) -> None:
         self.url = url
         self.timeout_s = timeout_s
