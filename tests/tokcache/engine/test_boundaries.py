@@ -129,7 +129,8 @@ def test_scan_memo_tells_conversations_apart(qwen3_path: Path) -> None:
     for turn in range(4):
         for c in range(len(convs)):
             prev = convs[c]
-            words = " ".join(rng.choice(["read", "file", "ok", "test", "é", "命令"]) for _ in range(rng.randint(50, 900)))
+            words = " ".join(rng.choice(["read", "file", "ok", "test", "é", "命令"])
+                             for _ in range(rng.randint(50, 900)))
             convs[c] = (f"{prev}<|im_start|>user\nconversation {c} turn {turn}: {words}<|im_end|>\n"
                         "<|im_start|>assistant\n")
             scan = scanner.scan_text(convs[c])
