@@ -317,3 +317,41 @@ def test_the_plugin_opens_the_segment_during_its_handshake(
         await link.close()
 
     asyncio.run(main())
+
+
+def test_an_open_breaker_keeps_in_process_reads_and_stops_their_rpc_fallbacks(
+        sidecar: tuple[SidecarProcess, int], qwen3_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the plugin's breaker open, prompts read in-process are still served; a prompt the
+    in-process path hands to the sidecar (a cluster-tier candidate, a re-mapped segment) falls
+    back to vLLM at once instead of calling the sidecar."""
+    import asyncio
+
+    from sidecar_client._local import LocalPaths
+    from sidecar_client.vllm._config import PluginConfig
+    from sidecar_client.vllm._link import Served, SidecarLink
+    from sidecar_client.vllm._stats import PluginStats
+    from tokcache.engine.tokenizer import fingerprint_of
+
+    proc, port = sidecar
+    tj = qwen3_path / "tokenizer.json"
+
+    async def main() -> None:
+        link = SidecarLink(PluginConfig(address=proc.address, timeout_s=5.0, breaker_failures=2), fingerprint_of(tj),
+                           PluginStats(), tokenizer_file=str(tj))
+        task = link._maybe_start_handshake()
+        assert task is not None
+        await task
+        assert link._opening is not None and await link._opening is not None
+        link.breaker.failure()
+        link.breaker.failure()
+        assert link.breaker.state == "open"
+        out = await link.tokenize("<|im_start|>user\nstill local<|im_end|>\n", add_special_tokens=False,
+                                  cache_salt=None)
+        assert isinstance(out, Served) and out.served_by == "local"
+        monkeypatch.setattr(LocalPaths, "tokenize", lambda *a, **k: None)  # as for a tier candidate
+        before = _tokenize_rpcs(port)
+        assert await link.tokenize("needs the sidecar", add_special_tokens=False, cache_salt=None) == "breaker_open"
+        assert _tokenize_rpcs(port) == before
+        await link.close()
+
+    asyncio.run(main())

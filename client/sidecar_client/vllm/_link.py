@@ -32,6 +32,7 @@ from typing import Any, Literal
 
 from sidecar_client import _core
 from sidecar_client._async import AsyncSidecarClient
+from sidecar_client._models import TokenizeResult
 from sidecar_client.errors import (
     DeadlineExceeded,
     InvalidArgumentError,
@@ -280,12 +281,23 @@ class SidecarLink:
             if model is None:
                 return self._not_ready_reason()
             client = self.client()
+            metadata = tuple((k, v) for k, v in trace if k in _TRACE_KEYS)
             local = client.local is not None and client.local.available(model)
-            if not local and not self.breaker.allow():
+            result: TokenizeResult | None = None
+            if local and self.breaker.state != "closed":
+                # In-process only: a read that would need the sidecar (a request the cluster
+                # tier may know, a segment being re-mapped) must not reach a sidecar the
+                # breaker keeps us away from.
+                result = await client._local_result(model, text, add_special_tokens, cache_salt, "kv-stable",
+                                                    metadata)
+                if result is None and not self.breaker.allow():
+                    return "breaker_open"
+            elif not local and not self.breaker.allow():
                 return "breaker_open"
-            result = await client.tokenize(model, text=text, add_special_tokens=add_special_tokens,
-                                           cache_salt=cache_salt, mode="kv-stable", timeout=self.config.timeout_s,
-                                           metadata=tuple((k, v) for k, v in trace if k in _TRACE_KEYS))
+            if result is None:
+                result = await client.tokenize(model, text=text, add_special_tokens=add_special_tokens,
+                                               cache_salt=cache_salt, mode="kv-stable",
+                                               timeout=self.config.timeout_s, metadata=metadata)
         except asyncio.CancelledError:
             raise
         except TokcacheError as exc:
