@@ -79,3 +79,17 @@ def test_clean_force_removes_mapped_segments_and_leaves_other_prefixes(shm_prefi
     finally:
         mine.close()
         other.close()
+
+
+def test_stats_names_the_models_a_segment_serves(shm_prefix: str) -> None:
+    """A segment's fingerprint alone does not say which model it is: stats adds the models,
+    their directories and the encoder from the manifest the sidecar published."""
+    store = _open(shm_prefix)
+    try:
+        store.publish(json.dumps({"models": ["qwen3", "qwen3-chat"], "model_dirs": ["/models/qwen3"],
+                                  "backend": "fastokens", "vocab_size": 151669}).encode())
+        [item] = json.loads(_cli("stats", "--shm-prefix", shm_prefix).stdout)
+        assert item["models"] == ["qwen3", "qwen3-chat"] and item["model_dirs"] == ["/models/qwen3"]
+        assert item["backend"] == "fastokens" and "vocab_size" not in item
+    finally:
+        store.close()

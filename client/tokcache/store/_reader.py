@@ -10,6 +10,7 @@ returns the ids put for the key or None, whatever the writers are doing meanwhil
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import time
@@ -244,6 +245,7 @@ def read_stats(prefix: str) -> list[dict[str, Any]]:
         item: dict[str, Any] = {"name": entry, "fingerprint": m["fingerprint"], "path": os.path.join(SHM_DIR, entry)}
         try:
             with StoreReader.attach_name("/" + entry) as reader:
+                item.update(_published(reader.manifest()))
                 item.update(reader.stats().as_dict())
         except SegmentMismatch as exc:
             item["error"] = f"not readable by this version: {exc}"
@@ -251,3 +253,17 @@ def read_stats(prefix: str) -> list[dict[str, Any]]:
             item["error"] = str(exc)
         out.append(item)
     return out
+
+
+def _published(manifest: bytes | None) -> dict[str, Any]:
+    """Who publishes a segment, from its manifest: the models served from it, their
+    directories and the encoder (empty when there is no manifest or it is not JSON)."""
+    if not manifest:
+        return {}
+    try:
+        data = json.loads(manifest)
+    except ValueError:
+        return {}
+    if not isinstance(data, dict):
+        return {}
+    return {k: data[k] for k in ("models", "model_dirs", "backend") if k in data}
