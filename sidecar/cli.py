@@ -119,14 +119,17 @@ def _serve(ns: argparse.Namespace) -> int:
     from tokcache.sidecar.telemetry.logs import setup_logging
 
     setup_logging(config.log_level, config.log_format)
+    from tokcache.sidecar.server import StartupError, run  # grpc import only when serving
+
     if config.workers > 1:
         from tokcache.sidecar.workers import supervise
 
         try:
             return int(supervise(config))
+        except StartupError as exc:
+            return _fail(exc, 1)
         except OSError as exc:  # the supervisor's hold on the port
             return _fail(f"--listen {config.listen}: cannot bind: {exc.strerror or exc}", 1)
-    from tokcache.sidecar.server import StartupError, run  # grpc import only when serving
 
     try:
         run(config)

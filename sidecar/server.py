@@ -45,7 +45,7 @@ from tokcache.v1 import tokenizer_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Sidecar", "StartupError", "run"]
+__all__ = ["Sidecar", "StartupError", "load_error", "run"]
 
 # Drain ends once no RPC has arrived for this long (and none is in flight).
 _DRAIN_QUIET_S = 0.3
@@ -265,7 +265,7 @@ def check_models(models: tuple[ModelSpec, ...]) -> None:
             raise StartupError(str(exc)) from exc
 
 
-def _load_error(spec: ModelSpec | None, exc: BaseException, config: Config) -> str:
+def load_error(spec: ModelSpec | None, exc: BaseException, config: Config) -> str:
     """One line for a model that did not load, naming it as the user gave it and the file."""
     where = spec.describe() if spec is not None else "models"
     if isinstance(exc, OSError) and exc.filename:
@@ -408,7 +408,7 @@ class Sidecar:
         try:
             engines = await asyncio.to_thread(self._load_models)
         except Exception as exc:
-            raise StartupError(_load_error(self._loading, exc, self.config)) from exc
+            raise StartupError(load_error(self._loading, exc, self.config)) from exc
         if self.config.pressure_interval > 0:  # off in --workers children: the supervisor runs it
             self.pressure = PressureMonitor(lambda: list(self.stores.values()),
                                             PressurePolicy.from_config(self.config))

@@ -198,6 +198,7 @@ class Supervisor:
 
         from tokcache.sidecar.engine.model import fingerprint_of
         from tokcache.sidecar.pressure import PressureMonitor, PressurePolicy
+        from tokcache.sidecar.server import StartupError, load_error
         from tokcache.store import Kind, Store, id_bytes_for, segment_name, usable_size
 
         cfg = self.config
@@ -205,8 +206,10 @@ class Supervisor:
         stores: dict[str, Store] = {}
         for spec in cfg.models:
             tokenizer_json = spec.path / "tokenizer.json"
-            fp = fingerprint_of(tokenizer_json)
-            if fp not in stores:
+            try:
+                fp = fingerprint_of(tokenizer_json)
+                if fp in stores:
+                    continue
                 # We create the segments before any worker starts, so the id width is ours to pick:
                 # the same vocabulary size the workers' engines compute (ModelEngine.vocab_size).
                 vocab = Tokenizer.from_file(str(tokenizer_json)).get_vocab_size(with_added_tokens=True)
@@ -217,6 +220,10 @@ class Supervisor:
                     log.warning("--shm-size %d bytes does not fit: %s; using %d bytes", cfg.shm_size, why, size)
                 stores[fp] = Store.open(prefix=cfg.shm_prefix, fingerprint=fp, size=size, ttl=ttl,
                                         id_bytes=id_bytes_for(vocab))
+            except Exception as exc:  # one line naming the model and file, like one server's start
+                for store in stores.values():
+                    store.close()
+                raise StartupError(load_error(spec, exc, cfg)) from exc
         if cfg.pressure_interval <= 0:
             return None, list(stores.values())
         monitor = PressureMonitor(lambda: list(stores.values()), PressurePolicy.from_config(cfg))

@@ -85,6 +85,17 @@ def test_invalid_tokenizer_json(base: list[str], listen: str, tmp_path: Path) ->
     assert not Path(listen[len("unix://"):]).exists()
 
 
+def test_invalid_tokenizer_json_with_workers(shm_prefix: str, tmp_path: Path) -> None:
+    """``--workers N``: the supervisor reads each tokenizer before starting any worker; a bad
+    one is the same one line, not a traceback."""
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "tokenizer.json").write_text('{"model": {"type": "BPE", "vocab": 7}}')
+    line = _one_line(_serve("--listen", "127.0.0.1:0", "--workers", "2", "--shm-prefix", shm_prefix,
+                            "--shm-size", "8MiB", "--model", f"q={bad}"), 1)
+    assert line.startswith(f"tokcache-sidecar: --model q={bad}: {bad}/tokenizer.json is not a valid tokenizer: ")
+
+
 def test_bad_model_flag_names_the_flag(base: list[str]) -> None:
     line = _one_line(_serve(*base, "--model", "justaname"), 2)
     assert line == "tokcache-sidecar: models (from --model): expected NAME=DIR, got 'justaname'"
