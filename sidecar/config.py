@@ -17,11 +17,6 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
-
 __all__ = ["Config", "ConfigError", "ENV", "ModelSpec", "flag", "load_config", "parse_size"]
 
 DEFAULT_LISTEN = "unix:///run/tokcache/tokcache.sock"
@@ -256,6 +251,20 @@ def _coerce(name: str, value: Any, source: str) -> Any:
         raise ConfigError(f"{name} (from {source}): {reason}") from exc
 
 
+def _toml() -> Any:
+    """The TOML parser, imported only when a config file is read.
+
+    On 3.10 it is the ``tomli`` backport; importing it lazily keeps the package
+    importable (``--version``, the missing-extra message) where only our own
+    wheel is installed.
+    """
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover
+        import tomli as tomllib
+    return tomllib
+
+
 def load_config(cli: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None) -> Config:
     """Merge the sources; ``cli`` holds only flags the user gave (None = absent)."""
     cli = {k: v for k, v in (cli or {}).items() if v is not None}
@@ -265,6 +274,7 @@ def load_config(cli: Mapping[str, Any] | None = None, env: Mapping[str, str] | N
     path_s = cli.get("config") or env.get(ENV["config"])
     config_file = Path(path_s) if path_s else None
     if config_file is not None:
+        tomllib = _toml()
         try:
             data = tomllib.loads(config_file.read_text(encoding="utf-8"))
         except (OSError, tomllib.TOMLDecodeError) as exc:
