@@ -311,23 +311,19 @@ class TokcacheContender(Contender):
     ``zero_rpc`` (the client's default): text is tokenized in the benchmark's process from
     the sidecar's shared memory, and what it learned is written back by the client's
     background writer. Without it every call is a gRPC round trip over the unix socket;
-    ``stream``, ``reply_deltas`` and ``request_deltas`` switch the RPC path's speed devices.
+    ``stream=False`` sends each call as a unary ``Tokenize`` instead of over the client's
+    ``TokenizeStream``.
     """
 
     def __init__(self, tokenizer_dir: Path, log_dir: Path, add_special_tokens: bool, shm_size: str = "256MiB",
-                 stream: bool = True, zero_rpc: bool = True, reply_deltas: bool = True,
-                 request_deltas: bool = True, name: str = "") -> None:
+                 stream: bool = True, zero_rpc: bool = True, name: str = "") -> None:
         self._stream = stream
         self._zero_rpc = zero_rpc
-        self._deltas = (reply_deltas, request_deltas)
         if zero_rpc:
             self.name, self.label = name or "tokcache", "tokcache (default client: reads in this process)"
         else:
-            devices = ["TokenizeStream" if stream else "unary Tokenize"]
-            devices += [] if reply_deltas else ["no reply deltas"]
-            devices += [] if request_deltas else ["no text_base"]
             self.name = name or "tokcache-rpc"
-            self.label = f"tokcache RPC ({', '.join(devices)}, unix socket)"
+            self.label = f"tokcache RPC ({'TokenizeStream' if stream else 'unary Tokenize'}, unix socket)"
         self._dir = tokenizer_dir
         self._add = add_special_tokens
         self._shm_size = shm_size
@@ -388,8 +384,7 @@ class TokcacheContender(Contender):
             raise ContenderUnavailable(
                 f"sidecar socket not accepting after {READY_TIMEOUT_S:.0f}s:\n{_tail(self._log)}"
             )
-        self._client = SidecarClient(self.target, stream=self._stream, zero_rpc=self._zero_rpc,
-                                     reply_deltas=self._deltas[0], request_deltas=self._deltas[1])
+        self._client = SidecarClient(self.target, stream=self._stream, zero_rpc=self._zero_rpc)
         self._client.__enter__()
         # The socket can accept before the model is loaded: ready = a tokenize answers.
         last: Exception | None = None

@@ -13,9 +13,8 @@ text at the last turn) and, turn by turn, has every contender tokenize the same 
                       client's background writer after the call (outside the timed call; the
                       time it took is recorded as ``write_us``)
 - ``tokcache-rpc``    the same over gRPC on a unix socket (``zero_rpc=False``: its
-                      ``TokenizeStream`` with reply and request deltas); ``--rpc-devices`` adds
-                      one contender per RPC speed device switched off (``tokcache-rpc-unary``,
-                      ``tokcache-rpc-no-reply-deltas``, ``tokcache-rpc-no-text-base``)
+                      ``TokenizeStream``); ``--rpc-devices`` adds ``tokcache-rpc-unary``, the
+                      same with the stream switched off (unary ``Tokenize`` calls)
 - ``*-floor``         a trivial request to each server: what the transport alone costs
 
 Every tokcache contender has its own sidecar and segment: one's entries never serve another.
@@ -144,7 +143,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--unary", action="store_true",
                     help="tokcache-rpc over the unary Tokenize RPC instead of the client's TokenizeStream")
     ap.add_argument("--rpc-devices", action="store_true",
-                    help="also run tokcache-rpc with each speed device off (stream, reply deltas, text_base)")
+                    help="also run tokcache-rpc over the unary Tokenize (what the TokenizeStream saves)")
     ap.add_argument("--no-rpc", action="store_true", help="skip the tokcache RPC contenders")
     ap.add_argument("--long", action="store_true",
                     help="1 conversation of 100 turns to ~800 KB; summary over the last 10 turns")
@@ -183,14 +182,8 @@ def build_contenders(
             rpc = TokcacheContender(tok_dir, args.out_dir, add, zero_rpc=False, stream=not args.unary)
             entries += [Entry(rpc), Entry(TokcacheFloor(rpc))]
             if args.rpc_devices:
-                entries += [
-                    Entry(TokcacheContender(tok_dir, args.out_dir, add, zero_rpc=False, stream=False,
-                                            name="tokcache-rpc-unary")),
-                    Entry(TokcacheContender(tok_dir, args.out_dir, add, zero_rpc=False, reply_deltas=False,
-                                            name="tokcache-rpc-no-reply-deltas")),
-                    Entry(TokcacheContender(tok_dir, args.out_dir, add, zero_rpc=False, request_deltas=False,
-                                            name="tokcache-rpc-no-text-base")),
-                ]
+                entries.append(Entry(TokcacheContender(tok_dir, args.out_dir, add, zero_rpc=False, stream=False,
+                                                       name="tokcache-rpc-unary")))
     return entries, tc, smg
 
 
@@ -521,8 +514,7 @@ def summarise(
                 pass
     summ = {k: v["summary_turns_ge2"] for k, v in res["contenders"].items() if v["summary_turns_ge2"]["n"]}
     ratios: dict[str, dict[str, float]] = {}
-    nums = ("tokcache", "tokcache-rpc", "tokcache-rpc-unary", "tokcache-rpc-no-reply-deltas",
-            "tokcache-rpc-no-text-base", "smg")
+    nums = ("tokcache", "tokcache-rpc", "tokcache-rpc-unary", "smg")
     for num in nums:
         if num not in summ:
             continue

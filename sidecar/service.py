@@ -11,6 +11,7 @@ Status mapping (messages name the field)::
     InvalidRequest   INVALID_ARGUMENT   (TemplateError too, with the template's text)
     RequestTooLarge  RESOURCE_EXHAUSTED
     still loading    UNAVAILABLE
+    text_base        FAILED_PRECONDITION (an older client's request delta: it resends the whole text)
     anything else    INTERNAL (logged with traceback; the server keeps serving)
 
 Every RPC is counted and timed (Prometheus) and, when tracing is on, emitted
@@ -29,11 +30,11 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 import grpc
+from google.protobuf.unknown_fields import UnknownFieldSet  # type: ignore[import-untyped,unused-ignore]
 
 from tokcache.engine.errors import EngineError, InvalidRequest, RequestTooLarge, UnknownModel
 from tokcache.engine.lookup import TierNeeded
 from tokcache.sidecar.engine.model import Decision, ModelEngine, Outcome, utf8
-from tokcache.sidecar.results import MAX_KNOWN_RESULTS, ResultMemo
 from tokcache.sidecar.telemetry import Metrics, Tracing
 from tokcache.sidecar.tier import ArTier
 from tokcache.sidecar.wire import MODE_FROM_PROTO, chat_from_proto, source_to_proto, unpack_ids
@@ -51,8 +52,19 @@ class _Unavailable(Exception):
     """The sidecar cannot take requests now (loading, draining): UNAVAILABLE, retryable."""
 
 
-class _StaleBase(Exception):
-    """A request delta names a result this process does not hold: FAILED_PRECONDITION."""
+class _OldDelta(Exception):
+    """A request delta (``text_base``) from an older client: FAILED_PRECONDITION, which such a
+    client answers by resending the whole text (as it did when a sidecar lost its base)."""
+
+
+# TokenizeRequest's removed ``text_base`` (reserved): an older client may still send it.
+_TEXT_BASE = 10
+
+
+def _has_text_base(request: pb.TokenizeRequest) -> bool:
+    """Whether ``request`` carries the removed ``text_base`` (kept as an unknown field:
+    read as a whole prompt, its text would be only the new suffix)."""
+    return any(f.field_number == _TEXT_BASE for f in UnknownFieldSet(request))
 
 
 def _trace_metadata(msg: pb.TokenizeStreamRequest) -> tuple[tuple[str, str], ...]:
@@ -111,8 +123,6 @@ class TokenizerService(pb_grpc.TokenizerServicer):  # generated base class, unty
         self.last_rpc = time.monotonic()
         # Open TokenizeStream handlers waiting for their next request (ended on drain).
         self._idle_streams: set[asyncio.Task[Any]] = set()
-        # Results kept for delta replies (clients that set keep_result).
-        self.results = ResultMemo()
 
     def end_streams(self) -> int:
         """End the streams that wait for a request (call once draining): their clients
@@ -183,7 +193,7 @@ class TokenizerService(pb_grpc.TokenizerServicer):  # generated base class, unty
         """The status a failed request ends with (logged when it is a bug)."""
         if isinstance(exc, _Unavailable):
             code = grpc.StatusCode.UNAVAILABLE
-        elif isinstance(exc, _StaleBase):
+        elif isinstance(exc, _OldDelta):
             code = grpc.StatusCode.FAILED_PRECONDITION
         elif isinstance(exc, UnknownModel):
             code = grpc.StatusCode.NOT_FOUND
@@ -194,7 +204,7 @@ class TokenizerService(pb_grpc.TokenizerServicer):  # generated base class, unty
         else:
             log.exception("internal error in %s", call.method, exc_info=exc)
             code = grpc.StatusCode.INTERNAL
-        message = str(exc) if isinstance(exc, (EngineError, _Unavailable, _StaleBase)) else f"internal error: {exc!r}"
+        message = str(exc) if isinstance(exc, (EngineError, _Unavailable, _OldDelta)) else f"internal error: {exc!r}"
         call.code, call.error = code.name, message
         return code, message
 
@@ -233,31 +243,21 @@ class TokenizerService(pb_grpc.TokenizerServicer):  # generated base class, unty
     async def _tokenize(self, call: _Call, request: pb.TokenizeRequest) -> pb.TokenizeResponse:
         """One Tokenize, its store write deferred to ``call.outcome``; raises on bad input."""
         engine = self._ready_engine(request.model)
+        if _has_text_base(request):
+            raise _OldDelta("text_base: this sidecar no longer takes request deltas; send the whole text")
         which = request.WhichOneof("input")
         if which == "text":
             text = request.text
             add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
         elif which == "chat":
-            if request.text_base:
-                raise InvalidRequest("text_base", "is for text input only")
             text = self._render(call, engine, request.chat)
             add_special = request.add_special_tokens if request.HasField("add_special_tokens") else False
         else:
             raise InvalidRequest("input", "one of text or chat is required")
         data, n_chars = utf8(text), len(text)
-        if request.text_base:
-            # A request delta: the text is a kept result's text + this suffix.
-            kept = self.results.text_of(request.text_base, request.cache_salt)
-            if kept is None:
-                raise _StaleBase("text_base: this sidecar process does not hold that result "
-                                 "(restarted, evicted, or another worker); send the whole text")
-            data, n_chars = kept[0] + data, kept[1] + n_chars
         if request.mode not in (0, *MODE_FROM_PROTO):
             raise InvalidRequest("mode", f"unknown mode {request.mode}")
         mode = MODE_FROM_PROTO.get(request.mode, self.default_mode)
-        if len(request.known_results) > MAX_KNOWN_RESULTS:
-            raise InvalidRequest("known_results", f"at most {MAX_KNOWN_RESULTS} handles, "
-                                                  f"got {len(request.known_results)}")
         tier_attrs: dict[str, Any] | None = None
         try:
             out = engine.tokenize_utf8(data, n_chars, add_special_tokens=add_special, salt=request.cache_salt,
@@ -274,17 +274,8 @@ class TokenizerService(pb_grpc.TokenizerServicer):  # generated base class, unty
             call.attrs["tokcache.mode"] = mode
             if tier_attrs:
                 call.attrs.update(tier_attrs)
-        ids, base, base_tokens = out.ids, b"", 0
-        if request.known_results:
-            base, base_tokens = self.results.best_base(list(request.known_results), ids, request.cache_salt)
-            ids = ids[base_tokens * 4:]
         return pb.TokenizeResponse(
-            token_ids=ids,
-            base_handle=base,
-            base_tokens=base_tokens,
-            # The text is kept for text input only: a client cannot build on a rendered chat.
-            result_handle=self.results.put(request.cache_salt, out.ids, data if which == "text" else b"", n_chars)
-            if request.keep_result else b"",
+            token_ids=out.ids,
             num_tokens=out.num_tokens,
             fingerprint=engine.fingerprint,
             backend=engine.encoder.name,

@@ -28,7 +28,6 @@ from sidecar_client.errors import (
     SidecarUnavailable,
     TokcacheError,
     UnknownModelError,
-    UnknownResultError,
 )
 
 __all__ = [
@@ -48,7 +47,6 @@ __all__ = [
     "TokcacheError",
     "TokenizeResult",
     "UnknownModelError",
-    "UnknownResultError",
     "record_output",
     "render",
     "tokenize",

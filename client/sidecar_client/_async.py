@@ -14,7 +14,6 @@ import grpc
 from sidecar_client import _core
 from sidecar_client._local import LocalPaths
 from sidecar_client._models import ModelInfo, RecordResult, RecordSummary, TokenizeResult
-from sidecar_client._results import ResultCache
 from sidecar_client._tokenize_stream import AsyncTokenizeStream
 from sidecar_client.errors import TokcacheError, translate
 from tokcache.v1 import tokenizer_pb2 as pb
@@ -36,7 +35,6 @@ class AsyncSidecarClient:
     def __init__(self, address: str | None = None, *, timeout: float | None = 30.0,
                  metadata: Sequence[tuple[str, str]] | None = None, stream: bool = True,
                  zero_rpc: bool = True, tokenizers: Mapping[str, str | Path] | None = None,
-                 reply_deltas: bool = True, request_deltas: bool = True,
                  channel_options: Sequence[tuple[str, Any]] = ()) -> None:
         self.address = address or _core.default_address()
         self.timeout = timeout
@@ -46,7 +44,6 @@ class AsyncSidecarClient:
         self._stub = pb_grpc.TokenizerStub(self._channel)
         self._stream = AsyncTokenizeStream(self._channel, self._metadata)
         self._stream.enabled = stream
-        self._results = ResultCache(reply_deltas=reply_deltas, request_deltas=request_deltas)
         self._loop = asyncio.get_running_loop()
         self._learning: set[asyncio.Task[Any]] = set()
         self.local = LocalPaths(dict(tokenizers or {}), learn=self._learn) if zero_rpc else None
@@ -134,22 +131,23 @@ class AsyncSidecarClient:
                                                  (*self._metadata, *(metadata or ())))
                 if local is not None:
                     return local
-        plan = _core.TokenizePlan(self._results, model, text=text, messages=messages, tools=tools,
-                                  add_generation_prompt=add_generation_prompt,
-                                  continue_final_message=continue_final_message,
-                                  chat_template_kwargs=chat_template_kwargs,
-                                  add_special_tokens=add_special_tokens, cache_salt=cache_salt, mode=mode,
-                                  return_prompt_text=return_prompt_text)
+        sreq = pb.TokenizeStreamRequest()
+        req = _core.build_tokenize(model, text=text, messages=messages, tools=tools,
+                                   add_generation_prompt=add_generation_prompt,
+                                   continue_final_message=continue_final_message,
+                                   chat_template_kwargs=chat_template_kwargs, add_special_tokens=add_special_tokens,
+                                   cache_salt=cache_salt, mode=mode, return_prompt_text=return_prompt_text,
+                                   into=sreq.request)
         wait = timeout if timeout is not None else self.timeout
         extra = tuple(metadata or ())
         for key, value in extra:
             if key in ("traceparent", "tracestate"):
-                setattr(plan.sreq, key, value)
+                setattr(sreq, key, value)
 
         def unary(left: float | None) -> Any:
-            return self._call(self._stub.Tokenize, plan.req, left, extra)
+            return self._call(self._stub.Tokenize, req, left, extra)
 
-        return plan.finish(await self._stream.send(plan, wait, unary))
+        return _core.read_tokenize(await self._stream.send(sreq, wait, unary), return_prompt_text)
 
     async def render(self, model: str, messages: Sequence[Mapping[str, Any]], *,
                      tools: Sequence[Mapping[str, Any]] | None = None, add_generation_prompt: bool = False,

@@ -15,14 +15,13 @@ from typing import Any
 
 from sidecar_client import _validate
 from sidecar_client._models import CacheDecision, ModelInfo, TokenizeResult
-from sidecar_client._results import ResultCache, group_of
-from sidecar_client.errors import InvalidArgumentError, SidecarInternalError
+from sidecar_client.errors import InvalidArgumentError
 from tokcache.ids import unpack_ids
 from tokcache.v1 import tokenizer_pb2 as pb
 
-__all__ = ["ADDRESS_ENV", "TokenizePlan", "assemble_ids", "build_chat", "build_record", "build_records",
-           "build_render", "build_tokenize", "channel_target", "check_timeout", "check_tokenize", "default_address",
-           "pack_ids", "read_models", "read_tokenize", "record_kwargs", "unpack_ids"]
+__all__ = ["ADDRESS_ENV", "build_chat", "build_record", "build_records", "build_render", "build_tokenize",
+           "channel_target", "check_timeout", "check_tokenize", "default_address", "pack_ids", "read_models",
+           "read_tokenize", "record_kwargs", "unpack_ids"]
 
 ADDRESS_ENV = "TOKCACHE_ADDRESS"
 DEFAULT_ADDRESS = "unix:///run/tokcache/tokcache.sock"
@@ -173,32 +172,10 @@ def build_tokenize(model: str, *, text: str | None, messages: Sequence[Mapping[s
     return req
 
 
-def assemble_ids(resp: pb.TokenizeResponse, known: Mapping[bytes, tuple[int, ...]] | None) -> list[int]:
-    """The reply's ids as a new list: unpacked, or a delta on a result the client offered.
-
-    Raises SidecarInternalError when a delta names a result that was not offered or
-    the count does not add up (a server bug; the ids would be wrong).
-    """
-    ids = unpack_ids(resp.token_ids)
-    if resp.base_handle:
-        base = (known or {}).get(resp.base_handle)
-        n = resp.base_tokens
-        if base is None or n > len(base):
-            raise SidecarInternalError("delta reply on a result this client did not offer")
-        full = list(base)  # one pass over the ints we hold; the rest is pointer work
-        del full[n:]
-        full += ids
-        ids = full
-    if len(ids) != resp.num_tokens:
-        raise SidecarInternalError(f"reply has {len(ids)} ids, says {resp.num_tokens}")
-    return ids
-
-
-def read_tokenize(resp: pb.TokenizeResponse, want_text: bool,
-                  known: Mapping[bytes, tuple[int, ...]] | None = None) -> TokenizeResult:
+def read_tokenize(resp: pb.TokenizeResponse, want_text: bool) -> TokenizeResult:
     d = resp.decision
     return TokenizeResult(
-        token_ids=assemble_ids(resp, known),
+        token_ids=unpack_ids(resp.token_ids),
         fingerprint=resp.fingerprint,
         backend=resp.backend,
         prompt_text=resp.prompt_text if want_text else None,
@@ -265,53 +242,3 @@ def record_kwargs(record: Mapping[str, Any]) -> dict[str, Any]:
         return _validate.record_item(record, "records[?]")
     except InvalidArgumentError as exc:
         raise InvalidArgumentError(f"records: {exc.details}", field="records") from None
-
-
-class TokenizePlan:
-    """One ``tokenize`` call's request, with the deltas the client's kept results allow.
-
-    ``sreq`` is the stream message, ``req`` its TokenizeRequest (also what a unary
-    call sends). When the sidecar no longer holds the ``text_base`` result
-    (UnknownResultError), :meth:`resend_whole_text` turns the request back into
-    a plain one for a single retry.
-    """
-
-    def __init__(self, results: ResultCache, model: str, *, text: str | None,
-                 messages: Sequence[Mapping[str, Any]] | None, tools: Sequence[Mapping[str, Any]] | None,
-                 add_generation_prompt: bool, continue_final_message: bool,
-                 chat_template_kwargs: Mapping[str, Any] | None, add_special_tokens: bool | None,
-                 cache_salt: str | None, mode: str | None, return_prompt_text: bool) -> None:
-        self._results = results
-        self._text = text
-        self._want_text = return_prompt_text
-        self.group = group_of(model, text, messages, cache_salt, mode, add_special_tokens) \
-            if isinstance(model, str) and (text is None or isinstance(text, str)) else None
-        self.known = results.offer(self.group)
-        self.base, cut = results.text_base(self.group, text) if isinstance(text, str) else (b"", 0)
-        self.sreq = pb.TokenizeStreamRequest()
-        self.req = build_tokenize(model, text=text[cut:] if cut and text is not None else text, messages=messages,
-                                  tools=tools, add_generation_prompt=add_generation_prompt,
-                                  continue_final_message=continue_final_message,
-                                  chat_template_kwargs=chat_template_kwargs, add_special_tokens=add_special_tokens,
-                                  cache_salt=cache_salt, mode=mode, return_prompt_text=return_prompt_text,
-                                  into=self.sreq.request)
-        self.req.known_results.extend(self.known)
-        self.req.keep_result = self.group is not None and (results.reply_deltas or results.request_deltas)
-        if self.base:
-            self.req.text_base = self.base
-
-    def resend_whole_text(self) -> bool:
-        """Drop the request delta (the sidecar lost its base); False when there was none."""
-        if not self.base or self._text is None:
-            return False
-        self._results.forget(self.base)
-        self.req.text = self._text
-        self.req.ClearField("text_base")
-        self.base = b""
-        return True
-
-    def finish(self, resp: pb.TokenizeResponse) -> TokenizeResult:
-        """The result of the reply; keeps it for the next request's deltas."""
-        result = read_tokenize(resp, self._want_text, self.known)
-        self._results.add(self.group, resp.result_handle, result.token_ids, self._text)
-        return result

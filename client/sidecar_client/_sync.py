@@ -13,7 +13,6 @@ import grpc
 from sidecar_client import _core
 from sidecar_client._local import LocalPaths
 from sidecar_client._models import ModelInfo, RecordResult, RecordSummary, TokenizeResult
-from sidecar_client._results import ResultCache
 from sidecar_client._tokenize_stream import SyncTokenizeStream
 from sidecar_client.errors import TokcacheError, translate
 from tokcache.v1 import tokenizer_pb2 as pb
@@ -38,16 +37,11 @@ class SidecarClient:
     learned is stored after the reply by a background thread. Chat messages, and every
     request when the segment cannot be used (logged once, counted in :meth:`stats`), go
     over RPC.
-
-    ``reply_deltas`` / ``request_deltas``: on the RPC path, let the sidecar answer with
-    only the ids past a result this client holds, and send only the text past one
-    (both on by default; switches for measuring them).
     """
 
     def __init__(self, address: str | None = None, *, timeout: float | None = 30.0,
                  metadata: Sequence[tuple[str, str]] | None = None, stream: bool = True,
-                 zero_rpc: bool = True, tokenizers: Mapping[str, str | Path] | None = None,
-                 reply_deltas: bool = True, request_deltas: bool = True) -> None:
+                 zero_rpc: bool = True, tokenizers: Mapping[str, str | Path] | None = None) -> None:
         self.address = address or _core.default_address()
         self.timeout = timeout
         self._metadata = tuple(metadata or ())
@@ -55,7 +49,6 @@ class SidecarClient:
         self._stub = pb_grpc.TokenizerStub(self._channel)
         self._stream = SyncTokenizeStream(self._channel, self._metadata)
         self._stream.enabled = stream
-        self._results = ResultCache(reply_deltas=reply_deltas, request_deltas=request_deltas)
         self._local = LocalPaths(dict(tokenizers or {}), learn=self._learn) if zero_rpc else None
         self._models_at = -float("inf")
 
@@ -122,18 +115,19 @@ class SidecarClient:
                 local = self._local_result(model, text, add_special_tokens, cache_salt, mode)
                 if local is not None:
                     return local
-        plan = _core.TokenizePlan(self._results, model, text=text, messages=messages, tools=tools,
-                                  add_generation_prompt=add_generation_prompt,
-                                  continue_final_message=continue_final_message,
-                                  chat_template_kwargs=chat_template_kwargs,
-                                  add_special_tokens=add_special_tokens, cache_salt=cache_salt, mode=mode,
-                                  return_prompt_text=return_prompt_text)
+        sreq = pb.TokenizeStreamRequest()
+        req = _core.build_tokenize(model, text=text, messages=messages, tools=tools,
+                                   add_generation_prompt=add_generation_prompt,
+                                   continue_final_message=continue_final_message,
+                                   chat_template_kwargs=chat_template_kwargs, add_special_tokens=add_special_tokens,
+                                   cache_salt=cache_salt, mode=mode, return_prompt_text=return_prompt_text,
+                                   into=sreq.request)
         wait = timeout if timeout is not None else self.timeout
 
         def unary(left: float | None) -> Any:
-            return self._call(self._stub.Tokenize, plan.req, left)
+            return self._call(self._stub.Tokenize, req, left)
 
-        return plan.finish(self._stream.send(plan, wait, unary))
+        return _core.read_tokenize(self._stream.send(sreq, wait, unary), return_prompt_text)
 
     def render(self, model: str, messages: Sequence[Mapping[str, Any]], *,
                tools: Sequence[Mapping[str, Any]] | None = None, add_generation_prompt: bool = False,

@@ -29,15 +29,12 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Coroutine, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import grpc
 
-from sidecar_client.errors import DeadlineExceeded, UnknownResultError, from_status
+from sidecar_client.errors import DeadlineExceeded, from_status
 from tokcache.v1 import tokenizer_pb2 as pb
-
-if TYPE_CHECKING:
-    from sidecar_client._core import TokenizePlan
 
 __all__ = ["AsyncTokenizeStream", "SyncTokenizeStream", "STREAM_METHOD", "reply_response"]
 
@@ -153,17 +150,10 @@ class SyncTokenizeStream:
         # A client dropped without close() is collected; its alarm thread then ends.
         weakref.finalize(self, self._alarm.close)
 
-    def send(self, plan: TokenizePlan, timeout: float | None,
+    def send(self, request: pb.TokenizeStreamRequest, timeout: float | None,
              unary: Callable[[float | None], pb.TokenizeResponse]) -> pb.TokenizeResponse:
-        """The reply to ``plan``'s request within ``timeout`` seconds (``unary`` sends ``plan.req``);
-        once more with the whole text when the sidecar lost the request delta's base."""
-        deadline = _deadline(timeout)
-        try:
-            return self.try_call(plan.sreq, deadline, unary)
-        except UnknownResultError:
-            if not plan.resend_whole_text():
-                raise
-            return self.try_call(plan.sreq, deadline, unary)
+        """The reply to ``request`` within ``timeout`` seconds (``unary`` sends its TokenizeRequest)."""
+        return self.try_call(request, _deadline(timeout), unary)
 
     def try_call(self, request: pb.TokenizeStreamRequest, deadline: float | None,
                  unary: Callable[[float | None], pb.TokenizeResponse]) -> pb.TokenizeResponse:
@@ -244,16 +234,10 @@ class AsyncTokenizeStream:
         self._busy = False
         self.enabled = True
 
-    async def send(self, plan: TokenizePlan, timeout: float | None,
+    async def send(self, request: pb.TokenizeStreamRequest, timeout: float | None,
                    unary: Callable[[float | None], Any]) -> pb.TokenizeResponse:
         """See :meth:`SyncTokenizeStream.send`."""
-        deadline = _deadline(timeout)
-        try:
-            return await self.try_call(plan.sreq, deadline, unary)
-        except UnknownResultError:
-            if not plan.resend_whole_text():
-                raise
-            return await self.try_call(plan.sreq, deadline, unary)
+        return await self.try_call(request, _deadline(timeout), unary)
 
     async def try_call(self, request: pb.TokenizeStreamRequest, deadline: float | None,
                        unary: Callable[[float | None], Any]) -> pb.TokenizeResponse:

@@ -8,8 +8,6 @@
     ├── UnknownModelError                    NOT_FOUND
     ├── InvalidArgumentError                 INVALID_ARGUMENT (also raised before sending, .field set)
     ├── ResourceExhaustedError               RESOURCE_EXHAUSTED (request over a size limit)
-    ├── UnknownResultError                   FAILED_PRECONDITION (a text_base the sidecar no longer
-    │                                        holds; the clients resend the whole text themselves)
     └── SidecarInternalError                 INTERNAL and anything else
 
 ``InvalidArgumentError.field`` is the path of the caller's own argument
@@ -34,7 +32,6 @@ __all__ = [
     "SidecarUnavailable",
     "TokcacheError",
     "UnknownModelError",
-    "UnknownResultError",
     "from_status",
     "parameter_path",
     "translate",
@@ -105,10 +102,6 @@ class ResourceExhaustedError(TokcacheError):
     """The request exceeds a size limit of the sidecar."""
 
 
-class UnknownResultError(TokcacheError):
-    """A request delta (``text_base``) named a result the sidecar process does not hold."""
-
-
 class SidecarInternalError(TokcacheError):
     """The sidecar failed unexpectedly (a bug; it keeps serving)."""
 
@@ -119,7 +112,6 @@ _BY_CODE: dict[grpc.StatusCode, type[TokcacheError]] = {
     grpc.StatusCode.NOT_FOUND: UnknownModelError,
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgumentError,
     grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhaustedError,
-    grpc.StatusCode.FAILED_PRECONDITION: UnknownResultError,
 }
 
 

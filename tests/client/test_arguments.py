@@ -47,7 +47,6 @@ from sidecar_client import (
     UnknownModelError,
     _core,
 )
-from sidecar_client._results import group_of
 from sidecar_client._validate import MAX_JSON_DEPTH, MODES, RECORD_FIELDS
 from sidecar_client.errors import from_status
 from tests.integration.sidecar_proc import SidecarProcess
@@ -473,8 +472,6 @@ def build(method: str, args: Mapping[str, Any]) -> Any:
     full = _all_args(method, args)
     _core.check_timeout(full.pop("timeout", None))
     if method == "tokenize":
-        group_of(full["model"], full["text"], full["messages"], full["cache_salt"], full["mode"],
-                 full["add_special_tokens"])  # runs first in TokenizePlan: must be total
         return _core.build_tokenize(**full)
     if method == "render":
         return _core.build_render(**full)
@@ -536,13 +533,6 @@ def test_builders_raise_nothing_but_invalid_argument(method: str, data: st.DataO
         build(method, args)
     except InvalidArgumentError as exc:
         assert exc.code is None and resolves(exc.field, _all_args(method, args)), (exc.field, str(exc))
-
-
-@settings(max_examples=300, deadline=None, database=None)
-@given(model=_garbage, text=_garbage, messages=_garbage, salt=_garbage, mode=_garbage, special=_garbage)
-def test_group_of_is_total(model: Any, text: Any, messages: Any, salt: Any, mode: Any, special: Any) -> None:
-    group = group_of(model, text, messages, salt, mode, special)
-    assert group is None or isinstance(group, int)
 
 
 def test_timeouts() -> None:

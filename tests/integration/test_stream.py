@@ -22,6 +22,7 @@ from typing import Any
 import grpc
 import pytest
 import tokenizers
+from google.protobuf.unknown_fields import UnknownFieldSet
 
 from sidecar_client import (
     AsyncSidecarClient,
@@ -239,43 +240,40 @@ def test_a_stream_that_never_answers_hits_the_deadline(tmp_path: Path) -> None:
     assert threading.active_count() < 50
 
 
-def test_delta_replies_rebuild_the_exact_ids(sidecar: SidecarProcess, qwen3_path: Path) -> None:
+def _old_request(text: str, **fields: bytes) -> pb.TokenizeRequest:
+    """A TokenizeRequest as a client from before the deltas were removed sent it: the
+    removed fields (``text_base`` = 10, ``known_results`` = 8, ``keep_result`` = 9)
+    travel as fields this sidecar's schema no longer has."""
+    raw = pb.TokenizeRequest(model="qwen3", text=text, add_special_tokens=False).SerializeToString()
+    if "text_base" in fields:
+        raw += bytes([10 << 3 | 2, len(fields["text_base"])]) + fields["text_base"]
+    if "known_results" in fields:
+        raw += bytes([8 << 3 | 2, len(fields["known_results"])]) + fields["known_results"] + bytes([9 << 3, 1])
+    return pb.TokenizeRequest.FromString(raw)  # unknown fields are kept, and sent again
+
+
+def test_an_older_clients_deltas_are_refused_or_ignored(sidecar: SidecarProcess, qwen3_path: Path) -> None:
+    """A request delta from an older client is FAILED_PRECONDITION naming text_base (that
+    client then resends the whole text): its text is only a suffix and must never be
+    tokenized as the prompt. Offered results and keep_result are ignored: full replies."""
     ref = tokenizers.Tokenizer.from_file(str(qwen3_path / "tokenizer.json"))
-    salt = uuid.uuid4().hex
-    texts = [t.replace("You are terse.", "You are terse. " * 40) for t in _texts(8, "delta")]  # > MIN_DELTA_IDS
+    text = _texts(3, "old client")[-1]
+    delta = _old_request("only the new turn", text_base=b"\x05" * 16)
     with grpc.insecure_channel(sidecar.address) as ch:
         stub = pb_grpc.TokenizerStub(ch)
-
-        def raw(text: str, known: list[bytes]) -> pb.TokenizeResponse:
-            return stub.Tokenize(pb.TokenizeRequest(model="qwen3", text=text, add_special_tokens=False,
-                                                    cache_salt=salt, known_results=known, keep_result=True))
-
-        first = raw(texts[0], [])
-        assert first.result_handle and not first.base_handle
-        second = raw(texts[1], [b"\x01" * 16, first.result_handle])  # an unknown handle is ignored
-        assert second.base_handle == first.result_handle and second.base_tokens > 0
-        assert len(second.token_ids) // 4 == second.num_tokens - second.base_tokens
-        whole = list(memoryview(first.token_ids).cast("I"))[:second.base_tokens] + list(
-            memoryview(second.token_ids).cast("I"))
-        assert whole == ref.encode(texts[1], add_special_tokens=False).ids
-        # Nothing shared, nothing kept: full replies.
-        plain = stub.Tokenize(pb.TokenizeRequest(model="qwen3", text=texts[1], add_special_tokens=False,
-                                                 cache_salt=salt, known_results=[b"\x02" * 16]))
-        assert not plain.base_handle and not plain.result_handle
-        assert len(plain.token_ids) // 4 == plain.num_tokens
         with pytest.raises(grpc.RpcError) as e:
-            raw(texts[1], [bytes([i]) * 16 for i in range(9)])
-        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert e.value.details().startswith("known_results")
-
-    # The client offers what it holds and rebuilds; a caller editing its list changes nothing.
-    with SidecarClient(sidecar.address, zero_rpc=False) as c:
-        for text in texts:
-            r = c.tokenize("qwen3", text=text, add_special_tokens=False, cache_salt=salt + "c")
-            assert r.token_ids == ref.encode(text, add_special_tokens=False).ids
-            r.token_ids[:5] = [0, 0, 0, 0, 0]
-            r.token_ids.append(1)
-        assert len(c._results) == len(texts)
+            stub.Tokenize(delta)
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert e.value.details().startswith("text_base"), e.value.details()
+        replies = list(stub.TokenizeStream(iter([pb.TokenizeStreamRequest(request=delta),
+                                                 pb.TokenizeStreamRequest(request=_old_request(text))])))
+        assert replies[0].error.code == "FAILED_PRECONDITION" and replies[0].error.message.startswith("text_base")
+        assert list(memoryview(replies[1].response.token_ids).cast("I")) == ref.encode(
+            text, add_special_tokens=False).ids  # the resend of the whole text
+        offered = stub.Tokenize(_old_request(text, known_results=b"\x06" * 16))
+        assert list(memoryview(offered.token_ids).cast("I")) == ref.encode(text, add_special_tokens=False).ids
+        assert offered.num_tokens == len(offered.token_ids) // 4
+        assert not list(UnknownFieldSet(offered))  # no result_handle, base_handle, base_tokens
 
 
 def test_async_stream_survives_a_killed_sidecar(tmp_path: Path, qwen3_path: Path, shm_prefix: str) -> None:
@@ -303,70 +301,6 @@ def test_async_stream_survives_a_killed_sidecar(tmp_path: Path, qwen3_path: Path
         asyncio.run(run())
     finally:
         proc.stop()
-
-
-def test_request_deltas_send_only_the_new_text(tmp_path: Path, qwen3_path: Path, shm_prefix: str) -> None:
-    ref = tokenizers.Tokenizer.from_file(str(qwen3_path / "tokenizer.json"))
-    texts = [t.replace("You are terse.", "You are terse. " * 80) for t in _texts(6, "request delta")]
-    proc = SidecarProcess(tmp_path, {"qwen3": qwen3_path}, shm_prefix).start()
-    try:
-        with grpc.insecure_channel(proc.address) as ch:
-            stub = pb_grpc.TokenizerStub(ch)
-            first = stub.Tokenize(pb.TokenizeRequest(model="qwen3", text=texts[0], keep_result=True))
-            suffix = texts[1][len(texts[0]):]
-            second = stub.Tokenize(pb.TokenizeRequest(model="qwen3", text=suffix, text_base=first.result_handle))
-            assert list(memoryview(second.token_ids).cast("I")) == ref.encode(texts[1]).ids
-            d = second.decision
-            assert d.cached_chars + d.encoded_chars == len(texts[1]) and d.cached_tokens > 0
-            for req, code, field in [
-                (pb.TokenizeRequest(model="qwen3", text="x", text_base=b"\x05" * 16),
-                 grpc.StatusCode.FAILED_PRECONDITION, "text_base"),
-                (pb.TokenizeRequest(model="qwen3", chat=pb.ChatInput(messages=[pb.ChatMessage(role="user")]),
-                                    text_base=first.result_handle), grpc.StatusCode.INVALID_ARGUMENT, "text_base"),
-            ]:
-                with pytest.raises(grpc.RpcError) as e:
-                    stub.Tokenize(req)
-                assert e.value.code() == code and e.value.details().startswith(field), e.value.details()
-
-        sent: list[tuple[int, bool]] = []
-        with SidecarClient(proc.address, timeout=10, zero_rpc=False) as c:
-            real = c._stream.try_call
-
-            def spy(sreq: pb.TokenizeStreamRequest, timeout: Any, unary: Any) -> Any:
-                sent.append((len(sreq.request.text), bool(sreq.request.text_base)))
-                return real(sreq, timeout, unary)
-
-            c._stream.try_call = spy  # type: ignore[method-assign]
-            for text in texts[:3]:
-                assert c.tokenize("qwen3", text=text).token_ids == ref.encode(text).ids
-            # After the first turn only the new text travels.
-            assert sent[0] == (len(texts[0]), False)
-            assert sent[1:] == [(len(texts[i]) - len(texts[i - 1]), True) for i in (1, 2)]
-            # A restarted sidecar holds no results: the client resends the whole text, once.
-            proc.stop()
-            proc.start()
-            sent.clear()
-            assert c.tokenize("qwen3", text=texts[3]).token_ids == ref.encode(texts[3]).ids
-            assert sent == [(len(texts[3]) - len(texts[2]), True), (len(texts[3]), False)]
-            sent.clear()
-            assert c.tokenize("qwen3", text=texts[4]).token_ids == ref.encode(texts[4]).ids
-            assert sent == [(len(texts[4]) - len(texts[3]), True)]
-    finally:
-        proc.stop()
-
-
-def test_handles_do_not_cross_salts(sidecar: SidecarProcess) -> None:
-    """A handle is no way into another tenant's text or ids."""
-    text = "<|im_start|>system\n" + "tenant a's private prompt " * 80 + "<|im_end|>\n"
-    with grpc.insecure_channel(sidecar.address) as ch:
-        stub = pb_grpc.TokenizerStub(ch)
-        a = stub.Tokenize(pb.TokenizeRequest(model="qwen3", text=text, cache_salt="a", keep_result=True))
-        with pytest.raises(grpc.RpcError) as e:
-            stub.Tokenize(pb.TokenizeRequest(model="qwen3", text="x", cache_salt="b", text_base=a.result_handle))
-        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        b = stub.Tokenize(pb.TokenizeRequest(model="qwen3", text=text, cache_salt="b",
-                                             known_results=[a.result_handle]))
-        assert not b.base_handle and len(b.token_ids) // 4 == b.num_tokens
 
 
 @pytest.fixture(scope="module")

@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1btokcache/v1/tokenizer.proto\x12\x0btokcache.v1\")\n\x0b\x43ontentPart\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\"7\n\x0c\x43ontentParts\x12\'\n\x05parts\x18\x01 \x03(\x0b\x32\x18.tokcache.v1.ContentPart\"a\n\x10ToolCallFunction\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\targuments\x18\x02 \x01(\tH\x00\x12\x18\n\x0e\x61rguments_json\x18\x03 \x01(\tH\x00\x42\x10\n\x0e\x61rguments_kind\"U\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04type\x18\x02 \x01(\t\x12/\n\x08\x66unction\x18\x03 \x01(\x0b\x32\x1d.tokcache.v1.ToolCallFunction\"\xaf\x02\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x11\n\x07\x63ontent\x18\x02 \x01(\tH\x00\x12\x32\n\rcontent_parts\x18\x03 \x01(\x0b\x32\x19.tokcache.v1.ContentPartsH\x00\x12\x11\n\x04name\x18\x04 \x01(\tH\x01\x88\x01\x01\x12)\n\ntool_calls\x18\x05 \x03(\x0b\x32\x15.tokcache.v1.ToolCall\x12\x19\n\x0ctool_call_id\x18\x06 \x01(\tH\x02\x88\x01\x01\x12\x1e\n\x11reasoning_content\x18\x07 \x01(\tH\x03\x88\x01\x01\x12\x12\n\nextra_json\x18\x08 \x01(\tB\x0e\n\x0c\x63ontent_kindB\x07\n\x05_nameB\x0f\n\r_tool_call_idB\x14\n\x12_reasoning_content\"\xad\x01\n\tChatInput\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.tokcache.v1.ChatMessage\x12\x12\n\ntools_json\x18\x02 \x01(\t\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x03 \x01(\x08\x12\x1e\n\x16\x63ontinue_final_message\x18\x04 \x01(\x08\x12!\n\x19\x63hat_template_kwargs_json\x18\x05 \x01(\t\"\xb1\x02\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12&\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x16.tokcache.v1.ChatInputH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08H\x01\x88\x01\x01\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\'\n\x04mode\x18\x06 \x01(\x0e\x32\x19.tokcache.v1.TokenizeMode\x12\x1a\n\x12return_prompt_text\x18\x07 \x01(\x08\x12\x15\n\rknown_results\x18\x08 \x03(\x0c\x12\x13\n\x0bkeep_result\x18\t \x01(\x08\x12\x11\n\ttext_base\x18\n \x01(\x0c\x42\x07\n\x05inputB\x15\n\x13_add_special_tokens\"\xc8\x01\n\rCacheDecision\x12(\n\x06source\x18\x01 \x01(\x0e\x32\x18.tokcache.v1.CacheSource\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x14\n\x0c\x63\x61\x63hed_chars\x18\x03 \x01(\x04\x12\x15\n\rencoded_chars\x18\x04 \x01(\x04\x12\x19\n\x11\x61r_spliced_tokens\x18\x05 \x01(\r\x12\x12\n\nboundaries\x18\x06 \x01(\r\x12\x1a\n\x12l1_disabled_reason\x18\x07 \x01(\t\"\xe3\x01\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x01(\x0c\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\x12,\n\x08\x64\x65\x63ision\x18\x04 \x01(\x0b\x32\x1a.tokcache.v1.CacheDecision\x12\x13\n\x0bprompt_text\x18\x05 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x06 \x01(\t\x12\x15\n\rresult_handle\x18\x07 \x01(\x0c\x12\x13\n\x0b\x62\x61se_handle\x18\x08 \x01(\x0c\x12\x13\n\x0b\x62\x61se_tokens\x18\t \x01(\r\"o\n\x15TokenizeStreamRequest\x12-\n\x07request\x18\x01 \x01(\x0b\x32\x1c.tokcache.v1.TokenizeRequest\x12\x13\n\x0btraceparent\x18\x02 \x01(\t\x12\x12\n\ntracestate\x18\x03 \x01(\t\",\n\x0bStreamError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x80\x01\n\x16TokenizeStreamResponse\x12\x31\n\x08response\x18\x01 \x01(\x0b\x32\x1d.tokcache.v1.TokenizeResponseH\x00\x12)\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x18.tokcache.v1.StreamErrorH\x00\x42\x08\n\x06result\"D\n\rRenderRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12$\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x16.tokcache.v1.ChatInput\":\n\x0eRenderResponse\x12\x13\n\x0bprompt_text\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\"\x13\n\x11ListModelsRequest\"\xde\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x17\n\x0f\x62oundary_tokens\x18\x05 \x01(\r\x12\x1a\n\x12l1_disabled_reason\x18\x06 \x01(\t\x12\x19\n\x11has_chat_template\x18\x07 \x01(\x08\x12\x10\n\x08shm_name\x18\x08 \x01(\t\x12\x11\n\tmodel_dir\x18\t \x01(\t\x12\x14\n\x0c\x64\x65\x66\x61ult_mode\x18\n \x01(\t\"<\n\x12ListModelsResponse\x12&\n\x06models\x18\x01 \x03(\x0b\x32\x16.tokcache.v1.ModelInfo\"\x94\x02\n\x13RecordOutputRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\ncache_salt\x18\x02 \x01(\t\x12\x13\n\x0bprompt_text\x18\x03 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x04 \x01(\x0c\x12\x13\n\x0boutput_text\x18\x05 \x01(\t\x12\x18\n\x10output_token_ids\x18\x06 \x01(\x0c\x12\x15\n\rfinish_reason\x18\x07 \x01(\t\x12\x17\n\rstop_token_id\x18\x08 \x01(\rH\x00\x12\x15\n\x0bstop_string\x18\t \x01(\tH\x00\x12!\n\x19prompt_add_special_tokens\x18\n \x01(\x08\x42\x12\n\x10stop_reason_kind\"\\\n\x14RecordOutputResponse\x12\x17\n\x0frecorded_tokens\x18\x01 \x01(\r\x12\x1a\n\x12stop_token_dropped\x18\x02 \x01(\x08\x12\x0f\n\x07\x65ntries\x18\x03 \x01(\r\".\n\rRecordRefusal\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0e\n\x06reason\x18\x02 \x01(\t\"h\n\x15RecordOutputsResponse\x12\x10\n\x08recorded\x18\x01 \x01(\r\x12\x0f\n\x07refused\x18\x02 \x01(\r\x12,\n\x08refusals\x18\x03 \x03(\x0b\x32\x1a.tokcache.v1.RecordRefusal*c\n\x0cTokenizeMode\x12\x1d\n\x19TOKENIZE_MODE_UNSPECIFIED\x10\x00\x12\x1b\n\x17TOKENIZE_MODE_KV_STABLE\x10\x01\x12\x17\n\x13TOKENIZE_MODE_EXACT\x10\x02*\x81\x01\n\x0b\x43\x61\x63heSource\x12\x1c\n\x18\x43\x41\x43HE_SOURCE_UNSPECIFIED\x10\x00\x12\x15\n\x11\x43\x41\x43HE_SOURCE_MISS\x10\x01\x12\x13\n\x0f\x43\x41\x43HE_SOURCE_L0\x10\x02\x12\x13\n\x0f\x43\x41\x43HE_SOURCE_L1\x10\x03\x12\x13\n\x0f\x43\x41\x43HE_SOURCE_AR\x10\x04\x32\xf3\x03\n\tTokenizer\x12G\n\x08Tokenize\x12\x1c.tokcache.v1.TokenizeRequest\x1a\x1d.tokcache.v1.TokenizeResponse\x12]\n\x0eTokenizeStream\x12\".tokcache.v1.TokenizeStreamRequest\x1a#.tokcache.v1.TokenizeStreamResponse(\x01\x30\x01\x12\x41\n\x06Render\x12\x1a.tokcache.v1.RenderRequest\x1a\x1b.tokcache.v1.RenderResponse\x12M\n\nListModels\x12\x1e.tokcache.v1.ListModelsRequest\x1a\x1f.tokcache.v1.ListModelsResponse\x12S\n\x0cRecordOutput\x12 .tokcache.v1.RecordOutputRequest\x1a!.tokcache.v1.RecordOutputResponse\x12W\n\rRecordOutputs\x12 .tokcache.v1.RecordOutputRequest\x1a\".tokcache.v1.RecordOutputsResponse(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1btokcache/v1/tokenizer.proto\x12\x0btokcache.v1\")\n\x0b\x43ontentPart\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\"7\n\x0c\x43ontentParts\x12\'\n\x05parts\x18\x01 \x03(\x0b\x32\x18.tokcache.v1.ContentPart\"a\n\x10ToolCallFunction\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\targuments\x18\x02 \x01(\tH\x00\x12\x18\n\x0e\x61rguments_json\x18\x03 \x01(\tH\x00\x42\x10\n\x0e\x61rguments_kind\"U\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04type\x18\x02 \x01(\t\x12/\n\x08\x66unction\x18\x03 \x01(\x0b\x32\x1d.tokcache.v1.ToolCallFunction\"\xaf\x02\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x11\n\x07\x63ontent\x18\x02 \x01(\tH\x00\x12\x32\n\rcontent_parts\x18\x03 \x01(\x0b\x32\x19.tokcache.v1.ContentPartsH\x00\x12\x11\n\x04name\x18\x04 \x01(\tH\x01\x88\x01\x01\x12)\n\ntool_calls\x18\x05 \x03(\x0b\x32\x15.tokcache.v1.ToolCall\x12\x19\n\x0ctool_call_id\x18\x06 \x01(\tH\x02\x88\x01\x01\x12\x1e\n\x11reasoning_content\x18\x07 \x01(\tH\x03\x88\x01\x01\x12\x12\n\nextra_json\x18\x08 \x01(\tB\x0e\n\x0c\x63ontent_kindB\x07\n\x05_nameB\x0f\n\r_tool_call_idB\x14\n\x12_reasoning_content\"\xad\x01\n\tChatInput\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.tokcache.v1.ChatMessage\x12\x12\n\ntools_json\x18\x02 \x01(\t\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x03 \x01(\x08\x12\x1e\n\x16\x63ontinue_final_message\x18\x04 \x01(\x08\x12!\n\x19\x63hat_template_kwargs_json\x18\x05 \x01(\t\"\xab\x02\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12&\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x16.tokcache.v1.ChatInputH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08H\x01\x88\x01\x01\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\'\n\x04mode\x18\x06 \x01(\x0e\x32\x19.tokcache.v1.TokenizeMode\x12\x1a\n\x12return_prompt_text\x18\x07 \x01(\x08\x42\x07\n\x05inputB\x15\n\x13_add_special_tokensJ\x04\x08\x08\x10\tJ\x04\x08\t\x10\nJ\x04\x08\n\x10\x0bR\rknown_resultsR\x0bkeep_resultR\ttext_base\"\xc8\x01\n\rCacheDecision\x12(\n\x06source\x18\x01 \x01(\x0e\x32\x18.tokcache.v1.CacheSource\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x14\n\x0c\x63\x61\x63hed_chars\x18\x03 \x01(\x04\x12\x15\n\rencoded_chars\x18\x04 \x01(\x04\x12\x19\n\x11\x61r_spliced_tokens\x18\x05 \x01(\r\x12\x12\n\nboundaries\x18\x06 \x01(\r\x12\x1a\n\x12l1_disabled_reason\x18\x07 \x01(\t\"\xdd\x01\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x01(\x0c\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\x12,\n\x08\x64\x65\x63ision\x18\x04 \x01(\x0b\x32\x1a.tokcache.v1.CacheDecision\x12\x13\n\x0bprompt_text\x18\x05 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x06 \x01(\tJ\x04\x08\x07\x10\x08J\x04\x08\x08\x10\tJ\x04\x08\t\x10\nR\rresult_handleR\x0b\x62\x61se_handleR\x0b\x62\x61se_tokens\"o\n\x15TokenizeStreamRequest\x12-\n\x07request\x18\x01 \x01(\x0b\x32\x1c.tokcache.v1.TokenizeRequest\x12\x13\n\x0btraceparent\x18\x02 \x01(\t\x12\x12\n\ntracestate\x18\x03 \x01(\t\",\n\x0bStreamError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x80\x01\n\x16TokenizeStreamResponse\x12\x31\n\x08response\x18\x01 \x01(\x0b\x32\x1d.tokcache.v1.TokenizeResponseH\x00\x12)\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x18.tokcache.v1.StreamErrorH\x00\x42\x08\n\x06result\"D\n\rRenderRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12$\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x16.tokcache.v1.ChatInput\":\n\x0eRenderResponse\x12\x13\n\x0bprompt_text\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\"\x13\n\x11ListModelsRequest\"\xde\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x17\n\x0f\x62oundary_tokens\x18\x05 \x01(\r\x12\x1a\n\x12l1_disabled_reason\x18\x06 \x01(\t\x12\x19\n\x11has_chat_template\x18\x07 \x01(\x08\x12\x10\n\x08shm_name\x18\x08 \x01(\t\x12\x11\n\tmodel_dir\x18\t \x01(\t\x12\x14\n\x0c\x64\x65\x66\x61ult_mode\x18\n \x01(\t\"<\n\x12ListModelsResponse\x12&\n\x06models\x18\x01 \x03(\x0b\x32\x16.tokcache.v1.ModelInfo\"\x94\x02\n\x13RecordOutputRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\ncache_salt\x18\x02 \x01(\t\x12\x13\n\x0bprompt_text\x18\x03 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x04 \x01(\x0c\x12\x13\n\x0boutput_text\x18\x05 \x01(\t\x12\x18\n\x10output_token_ids\x18\x06 \x01(\x0c\x12\x15\n\rfinish_reason\x18\x07 \x01(\t\x12\x17\n\rstop_token_id\x18\x08 \x01(\rH\x00\x12\x15\n\x0bstop_string\x18\t \x01(\tH\x00\x12!\n\x19prompt_add_special_tokens\x18\n \x01(\x08\x42\x12\n\x10stop_reason_kind\"\\\n\x14RecordOutputResponse\x12\x17\n\x0frecorded_tokens\x18\x01 \x01(\r\x12\x1a\n\x12stop_token_dropped\x18\x02 \x01(\x08\x12\x0f\n\x07\x65ntries\x18\x03 \x01(\r\".\n\rRecordRefusal\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0e\n\x06reason\x18\x02 \x01(\t\"h\n\x15RecordOutputsResponse\x12\x10\n\x08recorded\x18\x01 \x01(\r\x12\x0f\n\x07refused\x18\x02 \x01(\r\x12,\n\x08refusals\x18\x03 \x03(\x0b\x32\x1a.tokcache.v1.RecordRefusal*c\n\x0cTokenizeMode\x12\x1d\n\x19TOKENIZE_MODE_UNSPECIFIED\x10\x00\x12\x1b\n\x17TOKENIZE_MODE_KV_STABLE\x10\x01\x12\x17\n\x13TOKENIZE_MODE_EXACT\x10\x02*\x81\x01\n\x0b\x43\x61\x63heSource\x12\x1c\n\x18\x43\x41\x43HE_SOURCE_UNSPECIFIED\x10\x00\x12\x15\n\x11\x43\x41\x43HE_SOURCE_MISS\x10\x01\x12\x13\n\x0f\x43\x41\x43HE_SOURCE_L0\x10\x02\x12\x13\n\x0f\x43\x41\x43HE_SOURCE_L1\x10\x03\x12\x13\n\x0f\x43\x41\x43HE_SOURCE_AR\x10\x04\x32\xf3\x03\n\tTokenizer\x12G\n\x08Tokenize\x12\x1c.tokcache.v1.TokenizeRequest\x1a\x1d.tokcache.v1.TokenizeResponse\x12]\n\x0eTokenizeStream\x12\".tokcache.v1.TokenizeStreamRequest\x1a#.tokcache.v1.TokenizeStreamResponse(\x01\x30\x01\x12\x41\n\x06Render\x12\x1a.tokcache.v1.RenderRequest\x1a\x1b.tokcache.v1.RenderResponse\x12M\n\nListModels\x12\x1e.tokcache.v1.ListModelsRequest\x1a\x1f.tokcache.v1.ListModelsResponse\x12S\n\x0cRecordOutput\x12 .tokcache.v1.RecordOutputRequest\x1a!.tokcache.v1.RecordOutputResponse\x12W\n\rRecordOutputs\x12 .tokcache.v1.RecordOutputRequest\x1a\".tokcache.v1.RecordOutputsResponse(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tokcache.v1.tokenizer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TOKENIZEMODE']._serialized_start=2808
-  _globals['_TOKENIZEMODE']._serialized_end=2907
-  _globals['_CACHESOURCE']._serialized_start=2910
-  _globals['_CACHESOURCE']._serialized_end=3039
+  _globals['_TOKENIZEMODE']._serialized_start=2796
+  _globals['_TOKENIZEMODE']._serialized_end=2895
+  _globals['_CACHESOURCE']._serialized_start=2898
+  _globals['_CACHESOURCE']._serialized_end=3027
   _globals['_CONTENTPART']._serialized_start=44
   _globals['_CONTENTPART']._serialized_end=85
   _globals['_CONTENTPARTS']._serialized_start=87
@@ -48,35 +48,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATINPUT']._serialized_start=637
   _globals['_CHATINPUT']._serialized_end=810
   _globals['_TOKENIZEREQUEST']._serialized_start=813
-  _globals['_TOKENIZEREQUEST']._serialized_end=1118
-  _globals['_CACHEDECISION']._serialized_start=1121
-  _globals['_CACHEDECISION']._serialized_end=1321
-  _globals['_TOKENIZERESPONSE']._serialized_start=1324
-  _globals['_TOKENIZERESPONSE']._serialized_end=1551
-  _globals['_TOKENIZESTREAMREQUEST']._serialized_start=1553
-  _globals['_TOKENIZESTREAMREQUEST']._serialized_end=1664
-  _globals['_STREAMERROR']._serialized_start=1666
-  _globals['_STREAMERROR']._serialized_end=1710
-  _globals['_TOKENIZESTREAMRESPONSE']._serialized_start=1713
-  _globals['_TOKENIZESTREAMRESPONSE']._serialized_end=1841
-  _globals['_RENDERREQUEST']._serialized_start=1843
-  _globals['_RENDERREQUEST']._serialized_end=1911
-  _globals['_RENDERRESPONSE']._serialized_start=1913
-  _globals['_RENDERRESPONSE']._serialized_end=1971
-  _globals['_LISTMODELSREQUEST']._serialized_start=1973
-  _globals['_LISTMODELSREQUEST']._serialized_end=1992
-  _globals['_MODELINFO']._serialized_start=1995
-  _globals['_MODELINFO']._serialized_end=2217
-  _globals['_LISTMODELSRESPONSE']._serialized_start=2219
-  _globals['_LISTMODELSRESPONSE']._serialized_end=2279
-  _globals['_RECORDOUTPUTREQUEST']._serialized_start=2282
-  _globals['_RECORDOUTPUTREQUEST']._serialized_end=2558
-  _globals['_RECORDOUTPUTRESPONSE']._serialized_start=2560
-  _globals['_RECORDOUTPUTRESPONSE']._serialized_end=2652
-  _globals['_RECORDREFUSAL']._serialized_start=2654
-  _globals['_RECORDREFUSAL']._serialized_end=2700
-  _globals['_RECORDOUTPUTSRESPONSE']._serialized_start=2702
-  _globals['_RECORDOUTPUTSRESPONSE']._serialized_end=2806
-  _globals['_TOKENIZER']._serialized_start=3042
-  _globals['_TOKENIZER']._serialized_end=3541
+  _globals['_TOKENIZEREQUEST']._serialized_end=1112
+  _globals['_CACHEDECISION']._serialized_start=1115
+  _globals['_CACHEDECISION']._serialized_end=1315
+  _globals['_TOKENIZERESPONSE']._serialized_start=1318
+  _globals['_TOKENIZERESPONSE']._serialized_end=1539
+  _globals['_TOKENIZESTREAMREQUEST']._serialized_start=1541
+  _globals['_TOKENIZESTREAMREQUEST']._serialized_end=1652
+  _globals['_STREAMERROR']._serialized_start=1654
+  _globals['_STREAMERROR']._serialized_end=1698
+  _globals['_TOKENIZESTREAMRESPONSE']._serialized_start=1701
+  _globals['_TOKENIZESTREAMRESPONSE']._serialized_end=1829
+  _globals['_RENDERREQUEST']._serialized_start=1831
+  _globals['_RENDERREQUEST']._serialized_end=1899
+  _globals['_RENDERRESPONSE']._serialized_start=1901
+  _globals['_RENDERRESPONSE']._serialized_end=1959
+  _globals['_LISTMODELSREQUEST']._serialized_start=1961
+  _globals['_LISTMODELSREQUEST']._serialized_end=1980
+  _globals['_MODELINFO']._serialized_start=1983
+  _globals['_MODELINFO']._serialized_end=2205
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2207
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2267
+  _globals['_RECORDOUTPUTREQUEST']._serialized_start=2270
+  _globals['_RECORDOUTPUTREQUEST']._serialized_end=2546
+  _globals['_RECORDOUTPUTRESPONSE']._serialized_start=2548
+  _globals['_RECORDOUTPUTRESPONSE']._serialized_end=2640
+  _globals['_RECORDREFUSAL']._serialized_start=2642
+  _globals['_RECORDREFUSAL']._serialized_end=2688
+  _globals['_RECORDOUTPUTSRESPONSE']._serialized_start=2690
+  _globals['_RECORDOUTPUTSRESPONSE']._serialized_end=2794
+  _globals['_TOKENIZER']._serialized_start=3030
+  _globals['_TOKENIZER']._serialized_end=3529
 # @@protoc_insertion_point(module_scope)

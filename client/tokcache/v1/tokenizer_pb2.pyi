@@ -98,7 +98,7 @@ class ChatInput(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., tools_json: _Optional[str] = ..., add_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ..., chat_template_kwargs_json: _Optional[str] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
-    __slots__ = ("model", "text", "chat", "add_special_tokens", "cache_salt", "mode", "return_prompt_text", "known_results", "keep_result", "text_base")
+    __slots__ = ("model", "text", "chat", "add_special_tokens", "cache_salt", "mode", "return_prompt_text")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
@@ -106,9 +106,6 @@ class TokenizeRequest(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     RETURN_PROMPT_TEXT_FIELD_NUMBER: _ClassVar[int]
-    KNOWN_RESULTS_FIELD_NUMBER: _ClassVar[int]
-    KEEP_RESULT_FIELD_NUMBER: _ClassVar[int]
-    TEXT_BASE_FIELD_NUMBER: _ClassVar[int]
     model: str
     text: str
     chat: ChatInput
@@ -116,10 +113,7 @@ class TokenizeRequest(_message.Message):
     cache_salt: str
     mode: TokenizeMode
     return_prompt_text: bool
-    known_results: _containers.RepeatedScalarFieldContainer[bytes]
-    keep_result: bool
-    text_base: bytes
-    def __init__(self, model: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., add_special_tokens: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., mode: _Optional[_Union[TokenizeMode, str]] = ..., return_prompt_text: _Optional[bool] = ..., known_results: _Optional[_Iterable[bytes]] = ..., keep_result: _Optional[bool] = ..., text_base: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, model: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., add_special_tokens: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., mode: _Optional[_Union[TokenizeMode, str]] = ..., return_prompt_text: _Optional[bool] = ...) -> None: ...
 
 class CacheDecision(_message.Message):
     __slots__ = ("source", "cached_tokens", "cached_chars", "encoded_chars", "ar_spliced_tokens", "boundaries", "l1_disabled_reason")
@@ -140,26 +134,20 @@ class CacheDecision(_message.Message):
     def __init__(self, source: _Optional[_Union[CacheSource, str]] = ..., cached_tokens: _Optional[int] = ..., cached_chars: _Optional[int] = ..., encoded_chars: _Optional[int] = ..., ar_spliced_tokens: _Optional[int] = ..., boundaries: _Optional[int] = ..., l1_disabled_reason: _Optional[str] = ...) -> None: ...
 
 class TokenizeResponse(_message.Message):
-    __slots__ = ("token_ids", "num_tokens", "fingerprint", "decision", "prompt_text", "backend", "result_handle", "base_handle", "base_tokens")
+    __slots__ = ("token_ids", "num_tokens", "fingerprint", "decision", "prompt_text", "backend")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     DECISION_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TEXT_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
-    RESULT_HANDLE_FIELD_NUMBER: _ClassVar[int]
-    BASE_HANDLE_FIELD_NUMBER: _ClassVar[int]
-    BASE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     token_ids: bytes
     num_tokens: int
     fingerprint: str
     decision: CacheDecision
     prompt_text: str
     backend: str
-    result_handle: bytes
-    base_handle: bytes
-    base_tokens: int
-    def __init__(self, token_ids: _Optional[bytes] = ..., num_tokens: _Optional[int] = ..., fingerprint: _Optional[str] = ..., decision: _Optional[_Union[CacheDecision, _Mapping]] = ..., prompt_text: _Optional[str] = ..., backend: _Optional[str] = ..., result_handle: _Optional[bytes] = ..., base_handle: _Optional[bytes] = ..., base_tokens: _Optional[int] = ...) -> None: ...
+    def __init__(self, token_ids: _Optional[bytes] = ..., num_tokens: _Optional[int] = ..., fingerprint: _Optional[str] = ..., decision: _Optional[_Union[CacheDecision, _Mapping]] = ..., prompt_text: _Optional[str] = ..., backend: _Optional[str] = ...) -> None: ...
 
 class TokenizeStreamRequest(_message.Message):
     __slots__ = ("request", "traceparent", "tracestate")
