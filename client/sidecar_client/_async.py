@@ -109,28 +109,14 @@ class AsyncSidecarClient:
         ``metadata``: extra gRPC metadata for this call (e.g. W3C ``traceparent``), also
         carried on the stream message.
         """
-        if self.local is not None and _core.plain_text_call(
-                model, text, messages, tools, add_generation_prompt, continue_final_message, chat_template_kwargs,
-                add_special_tokens, cache_salt, mode, return_prompt_text, timeout):
+        if _core.reads_locally(self.local is not None, model, text, messages, tools, add_generation_prompt,
+                               continue_final_message, chat_template_kwargs, add_special_tokens, cache_salt, mode,
+                               return_prompt_text, timeout):
             assert isinstance(text, str)
             local = await self._local_result(model, text, add_special_tokens, cache_salt, mode,
                                              (*self._metadata, *metadata) if metadata else self._metadata)
             if local is not None:
                 return local
-        else:
-            _core.check_timeout(timeout)
-            if self.local is not None and messages is None \
-                    and isinstance(text, str) and not return_prompt_text and isinstance(model, str) and model:
-                _core.check_tokenize(model, text=text, messages=None, tools=tools,
-                                     add_generation_prompt=add_generation_prompt,
-                                     continue_final_message=continue_final_message,
-                                     chat_template_kwargs=chat_template_kwargs,
-                                     add_special_tokens=add_special_tokens, cache_salt=cache_salt, mode=mode,
-                                     return_prompt_text=return_prompt_text)
-                local = await self._local_result(model, text, add_special_tokens, cache_salt, mode,
-                                                 (*self._metadata, *(metadata or ())))
-                if local is not None:
-                    return local
         sreq = pb.TokenizeStreamRequest()
         req = _core.build_tokenize(model, text=text, messages=messages, tools=tools,
                                    add_generation_prompt=add_generation_prompt,

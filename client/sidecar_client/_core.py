@@ -140,6 +140,28 @@ def plain_text_call(model: object, text: object, messages: object, tools: object
             and (mode is None or mode == "kv-stable" or mode == "exact") and timeout is None)
 
 
+def reads_locally(local: bool, model: Any, text: Any, messages: Any, tools: Any, add_generation_prompt: Any,
+                  continue_final_message: Any, chat_template_kwargs: Any, add_special_tokens: Any,
+                  cache_salt: Any, mode: Any, return_prompt_text: Any, timeout: Any) -> bool:
+    """Whether a ``tokenize`` call is for the in-process read (``local``: the client has one),
+    its arguments checked on the way: InvalidArgumentError for a malformed one. False for a call
+    only the sidecar answers (chat messages, ``return_prompt_text``), checked by then as far as
+    the timeout; the request builder checks the rest."""
+    if local and plain_text_call(model, text, messages, tools, add_generation_prompt, continue_final_message,
+                                 chat_template_kwargs, add_special_tokens, cache_salt, mode, return_prompt_text,
+                                 timeout):
+        return True
+    check_timeout(timeout)
+    if not (local and messages is None and isinstance(text, str) and not return_prompt_text
+            and isinstance(model, str) and model):
+        return False
+    check_tokenize(model, text=text, messages=None, tools=tools, add_generation_prompt=add_generation_prompt,
+                   continue_final_message=continue_final_message, chat_template_kwargs=chat_template_kwargs,
+                   add_special_tokens=add_special_tokens, cache_salt=cache_salt, mode=mode,
+                   return_prompt_text=return_prompt_text)
+    return True
+
+
 def check_timeout(timeout: float | None) -> None:
     """InvalidArgumentError unless ``timeout`` is None or a finite number of seconds >= 0."""
     _validate.timeout(timeout)
