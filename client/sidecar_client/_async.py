@@ -12,7 +12,7 @@ from typing import Any
 import grpc
 
 from sidecar_client import _core
-from sidecar_client._local import LocalPaths
+from sidecar_client._local import MIN_WRITE_BYTES, LocalPaths
 from sidecar_client._models import ModelInfo, RecordResult, RecordSummary, TokenizeResult
 from sidecar_client._tokenize_stream import AsyncTokenizeStream
 from sidecar_client.errors import TokcacheError, translate
@@ -25,7 +25,7 @@ __all__ = ["AsyncSidecarClient"]
 class AsyncSidecarClient:
     """Talks to a tokcache sidecar from one event loop (create it inside the loop).
 
-    Same options as :class:`SidecarClient` (``zero_rpc``, ``tokenizers``: text is tokenized
+    Same options as :class:`SidecarClient` (``zero_rpc``, ``tokenizers``, ``min_write_bytes``: text is tokenized
     in this process from the sidecar's shared memory when possible), plus
     ``channel_options`` appended to the client's gRPC channel options (e.g. a short
     reconnect backoff). In-process tokenization runs on the calling task: it takes tens
@@ -35,6 +35,7 @@ class AsyncSidecarClient:
     def __init__(self, address: str | None = None, *, timeout: float | None = 30.0,
                  metadata: Sequence[tuple[str, str]] | None = None, stream: bool = True,
                  zero_rpc: bool = True, tokenizers: Mapping[str, str | Path] | None = None,
+                 min_write_bytes: int = MIN_WRITE_BYTES,
                  channel_options: Sequence[tuple[str, Any]] = ()) -> None:
         self.address = address or _core.default_address()
         self.timeout = timeout
@@ -46,7 +47,8 @@ class AsyncSidecarClient:
         self._stream.enabled = stream
         self._loop = asyncio.get_running_loop()
         self._learning: set[asyncio.Task[Any]] = set()
-        self.local = LocalPaths(dict(tokenizers or {}), learn=self._learn) if zero_rpc else None
+        self.local = (LocalPaths(dict(tokenizers or {}), learn=self._learn, min_write_bytes=min_write_bytes)
+                      if zero_rpc else None)
         self._models_at = -float("inf")
 
     def _learn(self, model: str, text: str, salt: str, mode: str) -> None:

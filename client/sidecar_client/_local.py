@@ -26,7 +26,6 @@ sidecar restarted with another size) is noticed within ``recheck_s`` and re-atta
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections import Counter
@@ -43,16 +42,23 @@ from tokcache.engine.ids import LISTS, Chunks
 from tokcache.engine.lookup import Limits, Lookup, PendingWrite, ReadModel, Result, TierNeeded, commit
 from tokcache.engine.memo import ChainMemo
 from tokcache.engine.tokenizer import Manifest, ManifestMismatch, from_manifest
-from tokcache.store import Kind, SegmentError, SegmentMismatch, Store, StoreError, StoreReader
+from tokcache.store import Kind, LockTimeout, SegmentError, SegmentMismatch, Store, StoreError, StoreReader
 from tokcache.store._layout import RETIRED_MARK, W_RETIRED
 
-__all__ = ["LocalModel", "LocalPaths", "LocalStats", "LocalUnavailable", "WriteBehind", "find_tokenizer_json"]
+__all__ = ["MIN_WRITE_BYTES", "LocalModel", "LocalPaths", "LocalStats", "LocalUnavailable", "WriteBehind",
+           "find_tokenizer_json"]
 
 log = logging.getLogger("sidecar_client.local")
 
 RECHECK_S = 1.0  # how often a mapping is checked against the name (replaced?) and the manifest
 WRITE_QUEUE = 256  # pending writes a process holds at most; more are dropped (counted)
 WAIT_RELATED_S = 0.05  # how long a request waits for its conversation's pending write
+INLINE_LOCK_S = 0.01  # how long a request storing its previous turn's write waits for the writer lock
+# A read whose uncached tail is shorter than this many UTF-8 bytes stores nothing: the next
+# turn re-encodes those bytes instead (~6 µs per KB with fastokens here), which costs less
+# than a write (~50-150 µs of this process's CPU and a writer-lock round). Measured in
+# bench/concurrency.py; see the README.
+MIN_WRITE_BYTES = 4096
 
 
 class LocalUnavailable(Exception):
@@ -71,7 +77,8 @@ class LocalStats:
     - ``fallbacks``: requests sent over RPC instead, by reason (no_segment, ..., tier: the
       sidecar has a cluster tier and no recorded output applied here)
     - ``writes``: write-behind outcomes: stored, refused (parent gone, full), learned
-      (sent to the sidecar to store), dropped (queue full), failed (store or RPC error)
+      (sent to the sidecar to store), dropped (queue full), failed (store or RPC error),
+      skipped (the uncached tail was under ``min_write_bytes``: the next turn re-encodes it)
     """
 
     tokenize: Counter[str] = field(default_factory=Counter)
@@ -86,12 +93,32 @@ Learn = Callable[[str, str, str, str], None]
 """learn(model, text, salt, mode): ask the sidecar to tokenize (and so store) ``text``; must not block long."""
 
 
-class WriteBehind:
-    """Stores pending writes in a background thread, oldest first; bounded; never raises.
+@dataclass
+class _Pending:
+    """One offered write; ``state``: 0 queued, 1 being written, 2 done."""
 
-    ``store`` (writable) takes the writes directly; without one, ``learn`` sends each
-    text to the sidecar instead. The thread starts on the first write and ends with
-    :meth:`close` (or with the process: it is a daemon).
+    write: PendingWrite[Chunks]
+    text: str
+    salt: str
+    mode: str
+    state: int = 0
+
+
+class WriteBehind:
+    """Stores what reads learned, after their reply; bounded; never raises.
+
+    Who stores a write (``direct``: into the segment under its writer lock; else ``learn``
+    sends the text to the sidecar):
+
+    - the next request of this process whose text extends it, right before its own lookup
+      (:meth:`settle_related`: read your writes). Back to back, a conversation's turn then
+      costs its read and the previous turn's write in one thread: no thread switch, no
+      wait for a thread that needs the GIL the caller holds;
+    - else the background thread, which gets the GIL when the process is idle;
+    - else :meth:`flush` / :meth:`close`.
+
+    Writes of one conversation land in the order offered (a turn's record chains to the
+    previous turn's), whoever stores them.
     """
 
     def __init__(self, model: str, store: Store | None, memo: ChainMemo[Chunks], learn: Learn | None,
@@ -102,13 +129,12 @@ class WriteBehind:
         self._learn = learn
         self._stats = stats
         self._bound = bound
-        self._queue: queue.SimpleQueue[tuple[PendingWrite[Chunks], str, str, str] | None] = queue.SimpleQueue()
-        # Guards _thread, _pending (writes offered and not yet done) and _texts (their texts,
-        # in offer order: a request that extends one of them waits for it).
+        # Guards _items (offered and not yet done, in offer order; their states), _thread
+        # and _closed; _cond is notified when an item is offered or done.
         self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)
-        self._pending = 0
-        self._texts: list[str] = []
+        self._cond = threading.Condition(self._lock)
+        self._items: list[_Pending] = []
+        self._busy = False  # a write is being stored (by any thread): one at a time
         self._thread: threading.Thread | None = None
         self._closed = False
 
@@ -120,81 +146,143 @@ class WriteBehind:
     @property
     def idle(self) -> bool:
         """True when no write is queued or in progress."""
-        return self._pending == 0
+        return not self._items
 
     def offer(self, write: PendingWrite[Chunks], text: str, salt: str, mode: str) -> bool:
         """Queue a write; False (counted as dropped) when the queue is full or closed."""
         with self._lock:
-            if self._closed or self._pending >= self._bound or (self._store is None and self._learn is None):
+            if self._closed or len(self._items) >= self._bound or (self._store is None and self._learn is None):
                 self._stats.writes["dropped"] += 1
                 return False
-            self._pending += 1
-            self._texts.append(text)
+            self._items.append(_Pending(write, text, salt, mode))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="tokcache-write-behind", daemon=True)
                 self._thread.start()
-        self._queue.put((write, text, salt, mode))
+            else:
+                self._cond.notify_all()
         return True
 
+    def skip(self) -> None:
+        """Count a write not offered (its tail was short: MIN_WRITE_BYTES)."""
+        self._stats.writes["skipped"] += 1
+
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every write offered so far is done; False on timeout."""
-        with self._idle:
-            return self._idle.wait_for(lambda: self._pending == 0, timeout)
+        """Store every write offered so far (in this thread, where the background thread
+        has not taken them); False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (got := self._store_next(None, deadline)) is True:
+            pass
+        if got is False:
+            return False
+        with self._lock:
+            return self._cond.wait_for(lambda: not self._items, _left(deadline))
 
-    def wait_related(self, text: str, timeout: float) -> bool:
-        """Read your writes: wait (at most ``timeout``) while a pending write's text is a
-        prefix of ``text`` — the previous turn of the same conversation, whose entries the
-        lookup is about to search for. Unrelated requests never wait. False on timeout."""
-        def related() -> bool:
-            return any(text.startswith(t) for t in self._texts)
-
-        if not self._pending:
+    def settle_related(self, text: str, timeout: float) -> bool:
+        """Read your writes: store now, in this thread, the pending writes whose text is a
+        prefix of ``text`` — the previous turns of this conversation, whose entries the
+        lookup is about to search for — waiting (at most ``timeout``) for one being stored.
+        Unrelated requests do nothing. False on timeout."""
+        if not self._items:
             return True
-        with self._idle:
-            return self._idle.wait_for(lambda: not related(), timeout)
+        deadline = time.monotonic() + timeout
+        while (got := self._store_next(text, deadline)) is True:
+            pass
+        return got is None
+
+    def _store_next(self, text: str | None, deadline: float | None) -> bool | None:
+        """Store the oldest queued write (whose text is a prefix of ``text``, if given) in
+        this thread: True when one was stored, None when there is none (and, with ``text``,
+        none related is being stored), False on timeout.
+
+        One write is stored at a time, oldest first: a conversation's writes land in the
+        order offered, whoever stores them (each chains to the one before)."""
+        with self._lock:
+            while True:
+                item = next((i for i in self._items if i.state == 0 and (text is None or text.startswith(i.text))),
+                            None)
+                if item is not None and not self._busy:
+                    break
+                if item is None and (text is None or not any(text.startswith(i.text) for i in self._items)):
+                    return None
+                if not self._cond.wait(_left(deadline)):
+                    return False
+            item.state = 1
+            self._busy = True
+        # Inline (a request waits): a writer lock held by another process for long is not
+        # waited out here; the write goes back to the queue for the background thread.
+        self._store_one(item, lock_timeout=INLINE_LOCK_S)
+        return True
 
     def _run(self) -> None:
         while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            write, text, salt, mode = item
-            try:
-                self._write(write, text, salt, mode)
-            except Exception:  # never let one write end the thread
-                log.exception("tokcache: write-behind failed")
-                self._stats.writes["failed"] += 1
-            finally:
-                with self._idle:
-                    self._pending -= 1
-                    self._texts.pop(0)
-                    self._idle.notify_all()
+            with self._lock:
+                while not self._closed and (self._busy or not any(i.state == 0 for i in self._items)):
+                    self._cond.wait()
+                item = next((i for i in self._items if i.state == 0), None)
+                if item is None:  # closed, nothing left
+                    return
+                item.state = 1
+                self._busy = True
+            self._store_one(item)
 
-    def _write(self, write: PendingWrite[Chunks], text: str, salt: str, mode: str) -> None:
+    def _store_one(self, item: _Pending, lock_timeout: float | None = None) -> None:
+        """Store one taken item (state 1), then mark it done (or queued again when the
+        writer lock was not had within ``lock_timeout``). Never raises."""
+        done = True
+        try:
+            done = self._write(item.write, item.text, item.salt, item.mode, lock_timeout)
+        except Exception:  # never let one write end a thread or fail a request
+            log.exception("tokcache: write-behind failed")
+            self._stats.writes["failed"] += 1
+        finally:
+            with self._lock:
+                self._busy = False
+                if done:
+                    item.state = 2
+                    self._items.remove(item)
+                else:
+                    item.state = 0
+                self._cond.notify_all()
+
+    def _write(self, write: PendingWrite[Chunks], text: str, salt: str, mode: str,
+               lock_timeout: float | None) -> bool:
+        """Store or learn one write; False when the writer lock was busy past ``lock_timeout``."""
         if self._store is not None:
             try:
-                ref = commit(self._store, self._memo, write)
+                ref = commit(self._store, self._memo, write, lock_timeout=lock_timeout)
+            except LockTimeout:
+                if lock_timeout is None:
+                    self._stats.writes["failed"] += 1
+                    return True
+                return False
             except StoreError as exc:
                 self._stats.writes["failed"] += 1
                 log.debug("tokcache: write-behind store error: %s", exc)
-                return
+                return True
             self._stats.writes["stored" if ref is not None else "refused"] += 1
-            return
+            return True
         assert self._learn is not None
         self._learn(self._model, text, salt, mode)
         self._stats.writes["learned"] += 1
+        return True
 
     def close(self, timeout: float = 2.0) -> None:
         """Write what is queued (at most ``timeout`` s), stop the thread. Idempotent."""
         with self._lock:
             if self._closed:
                 return
-            self._closed = True
             thread = self._thread
+        self.flush(timeout)
+        with self._lock:
+            self._closed = True
+            self._cond.notify_all()
         if thread is not None:
-            self.flush(timeout)
-            self._queue.put(None)
             thread.join(timeout)
+
+
+def _left(deadline: float | None) -> float | None:
+    """Seconds until ``deadline`` (None: no deadline), never negative."""
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
 def find_tokenizer_json(*candidates: str | Path | None) -> Path | None:
@@ -218,8 +306,11 @@ class LocalModel:
     """
 
     def __init__(self, name: str, reader: StoreReader, manifest_raw: bytes, model: ReadModel, limits: Limits,
-                 writer: WriteBehind, memo: ChainMemo[Chunks], writable: Store | None, *, tier: bool = False) -> None:
+                 writer: WriteBehind, memo: ChainMemo[Chunks], writable: Store | None, *, tier: bool = False,
+                 min_write_bytes: int = MIN_WRITE_BYTES) -> None:
         self.name = name
+        # A read whose uncached tail is shorter stores nothing (see MIN_WRITE_BYTES).
+        self.min_write_bytes = min_write_bytes
         # The sidecar has a cluster tier (manifest): what no local AR applies to goes to it.
         self.tier = tier
         self.reader = reader
@@ -237,7 +328,7 @@ class LocalModel:
     @classmethod
     def open(cls, name: str, shm_name: str, *, tokenizer_json: Path | None, fingerprint: str | None = None,
              writable: bool = True, learn: Learn | None = None, stats: LocalStats | None = None,
-             encoder: Any = None) -> LocalModel:
+             encoder: Any = None, min_write_bytes: int = MIN_WRITE_BYTES) -> LocalModel:
         """Map ``shm_name`` and build the read path for model ``name``.
 
         ``tokenizer_json``: this process's copy of the tokenizer (its fingerprint must be
@@ -281,7 +372,8 @@ class LocalModel:
                     log.info("tokcache: segment %s is not writable here (%s); learned entries go to the sidecar",
                              shm_name, exc)
             writer = WriteBehind(name, store, memo, learn, stats)
-            return cls(name, reader, raw, model, limits, writer, memo, store, tier=manifest.ar_tier)
+            return cls(name, reader, raw, model, limits, writer, memo, store, tier=manifest.ar_tier,
+                       min_write_bytes=min_write_bytes)
         except BaseException:
             reader.close()
             raise
@@ -312,12 +404,16 @@ class LocalModel:
         if self.stale:
             return None
         # The previous turn's entries may still be on their way to the segment: a request
-        # that extends it waits for them (~0.1-0.3 ms of work) rather than missing them.
-        self.writer.wait_related(text, WAIT_RELATED_S)
+        # that extends it stores them first (~0.1 ms of work) rather than missing them.
+        self.writer.settle_related(text, WAIT_RELATED_S)
         result = self.lookup.tokenize(text, add_special_tokens=add_special_tokens, salt=salt, mode=mode,
                                       tier=self.tier)
-        if result.write is not None:
-            self.writer.offer(result.write, text, salt, mode)
+        write = result.write
+        if write is not None:
+            if write.decision.encoded_bytes >= self.min_write_bytes:
+                self.writer.offer(write, text, salt, mode)
+            else:
+                self.writer.skip()
         return result
 
     def close(self) -> None:
@@ -342,9 +438,11 @@ class LocalPaths:
     """
 
     def __init__(self, tokenizers: dict[str, str | Path] | None, *, writable: bool = True,
-                 learn: Learn | None = None, stats: LocalStats | None = None) -> None:
+                 learn: Learn | None = None, stats: LocalStats | None = None,
+                 min_write_bytes: int = MIN_WRITE_BYTES) -> None:
         self.tokenizers = {k: Path(v) for k, v in (tokenizers or {}).items()}
         self.writable = writable
+        self.min_write_bytes = min_write_bytes
         self.learn = learn
         self.stats = stats or LocalStats()
         self._infos: dict[str, tuple[str, str, str, str]] = {}  # model -> (shm name, fp, model dir, mode)
@@ -414,7 +512,8 @@ class LocalPaths:
             self._failed[model] = (0.0, "opening")
         try:
             local = LocalModel.open(model, shm_name, tokenizer_json=tokenizer_json, fingerprint=fingerprint,
-                                    writable=self.writable, learn=self.learn, stats=self.stats)
+                                    writable=self.writable, learn=self.learn, stats=self.stats,
+                                    min_write_bytes=self.min_write_bytes)
         except LocalUnavailable as exc:
             with self._lock:
                 self._opening.discard(model)

@@ -11,7 +11,7 @@ from typing import Any
 import grpc
 
 from sidecar_client import _core
-from sidecar_client._local import LocalPaths
+from sidecar_client._local import MIN_WRITE_BYTES, LocalPaths
 from sidecar_client._models import ModelInfo, RecordResult, RecordSummary, TokenizeResult
 from sidecar_client._tokenize_stream import SyncTokenizeStream
 from sidecar_client.errors import TokcacheError, translate
@@ -34,14 +34,17 @@ class SidecarClient:
     ``tokenizer.json`` with the segment's fingerprint is at hand — from ``tokenizers``
     (model name -> directory or file) or the directory the sidecar loaded it from. The
     ids are the ones the sidecar would return (same lookup, same segment); what the read
-    learned is stored after the reply by a background thread. Chat messages, and every
-    request when the segment cannot be used (logged once, counted in :meth:`stats`), go
-    over RPC.
+    learned is stored after the reply (by the conversation's next request in this process,
+    or a background thread when the process is idle). A read that encoded fewer than
+    ``min_write_bytes`` UTF-8 bytes (default 4096) stores nothing: the next turn re-encodes
+    them, which costs less than the write. Chat messages, and every request when the
+    segment cannot be used (logged once, counted in :meth:`stats`), go over RPC.
     """
 
     def __init__(self, address: str | None = None, *, timeout: float | None = 30.0,
                  metadata: Sequence[tuple[str, str]] | None = None, stream: bool = True,
-                 zero_rpc: bool = True, tokenizers: Mapping[str, str | Path] | None = None) -> None:
+                 zero_rpc: bool = True, tokenizers: Mapping[str, str | Path] | None = None,
+                 min_write_bytes: int = MIN_WRITE_BYTES) -> None:
         self.address = address or _core.default_address()
         self.timeout = timeout
         self._metadata = tuple(metadata or ())
@@ -49,7 +52,8 @@ class SidecarClient:
         self._stub = pb_grpc.TokenizerStub(self._channel)
         self._stream = SyncTokenizeStream(self._channel, self._metadata)
         self._stream.enabled = stream
-        self._local = LocalPaths(dict(tokenizers or {}), learn=self._learn) if zero_rpc else None
+        self._local = (LocalPaths(dict(tokenizers or {}), learn=self._learn, min_write_bytes=min_write_bytes)
+                       if zero_rpc else None)
         self._models_at = -float("inf")
 
     def _learn(self, model: str, text: str, salt: str, mode: str) -> None:

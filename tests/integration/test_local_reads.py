@@ -68,7 +68,8 @@ def test_a_conversation_is_read_in_process_with_no_rpc_and_the_rpc_ids(
     proc, port = sidecar
     ref = tokenizers.Tokenizer.from_file(str(qwen3_path / "tokenizer.json"))
     texts = _conversation(8)
-    with SidecarClient(proc.address) as local, SidecarClient(proc.address, zero_rpc=False) as rpc:
+    # min_write_bytes=0: every read stores what it learned (these turns are short).
+    with SidecarClient(proc.address, min_write_bytes=0) as local, SidecarClient(proc.address, zero_rpc=False) as rpc:
         local.tokenize("qwen3", text="warm up")  # one ListModels, then the segment is mapped
         before = _tokenize_rpcs(port)
         results = []
@@ -214,7 +215,7 @@ def test_a_segment_the_client_may_not_write_is_read_and_learned_through_the_side
         import json
         from sidecar_client import SidecarClient
         texts = {_conversation(4)!r}
-        with SidecarClient({proc.address!r}) as c:
+        with SidecarClient({proc.address!r}, min_write_bytes=0) as c:
             served = [c.tokenize("qwen3", text=t, add_special_tokens=False).served_by for t in texts]
             c.flush(10)
             print(json.dumps({{"served": served, "stats": c.stats()}}))

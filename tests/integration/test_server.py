@@ -41,7 +41,9 @@ def sidecar(tmp_path_factory: pytest.TempPathFactory, qwen3_path: Path, llama32_
 
 @pytest.fixture
 def client(sidecar: SidecarProcess) -> Iterator[SidecarClient]:
-    with SidecarClient(sidecar.address) as c:
+    # min_write_bytes=0: reads in this process store what they learned however short
+    # (these tests check cache decisions on short texts).
+    with SidecarClient(sidecar.address, min_write_bytes=0) as c:
         yield c
 
 
@@ -199,7 +201,7 @@ def test_restart_reattaches_warm_cache(tmp_path: Path, qwen3_path: Path, shm_pre
     text = "<|im_start|>user\n" + "warm cache " * 200 + "<|im_end|>\n<|im_start|>assistant\n"
     first = SidecarProcess(tmp_path, {"qwen3": qwen3_path}, shm_prefix).start()
     try:
-        with SidecarClient(first.address) as c:
+        with SidecarClient(first.address, min_write_bytes=0) as c:
             assert c.tokenize("qwen3", text=text).decision.source == "miss"
     finally:
         assert first.stop() == 0

@@ -20,20 +20,35 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 import re
 import sys
 import threading
-from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from tokcache.engine.encoder import Encoder
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BoundaryCheck", "BoundaryScanner", "Scan", "added_tokens", "check_boundaries"]
+# The added-token scan in C (``_speedups.c``: the same matches as the trie regex below) when
+# the extension was built. TOKCACHE_PURE_PYTHON=1 forces the regex (the tests compare both).
+def _load_native() -> Any:  # noqa: ANN401 - the extension module, or None
+    if os.environ.get("TOKCACHE_PURE_PYTHON", "") in ("1", "true", "yes"):
+        return None
+    try:
+        from . import _speedups
+    except ImportError:  # not compiled here: the regex serves
+        return None
+    return _speedups
+
+
+_native: Any = _load_native()
+
+__all__ = ["BoundaryCheck", "BoundaryScanner", "Encoded", "Scan", "added_tokens", "check_boundaries"]
 
 # (a, b) pairs around each candidate token: whitespace on either side probes
 # lstrip/rstrip, letters right after probe single_word, an empty ``a`` probes
@@ -131,7 +146,17 @@ def check_boundaries(tokenizer_json: Path, reference: Encoder) -> BoundaryCheck:
 _Trie = dict[int | None, "_Trie"]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
+class Encoded:
+    """The canonical ids of a text from byte ``start`` on (no recorded output spliced), and
+    how many of them come before its last stable cut (None: not found yet, -1: not cheaply)."""
+
+    start: int
+    ids: list[int]
+    stable_tokens: int | None = None
+
+
+@dataclass(slots=True)
 class Scan:
     """A scanned text: its boundary spans, and what the next scan of a text extending it needs.
 
@@ -142,8 +167,10 @@ class Scan:
     end of the last match that starts before it. ``base_len`` is the length of the text it
     extended (0: none). Shared with the memo: read-only.
 
-    ``hashers`` lets a reader keep, per key namespace, a hash state at some offset of this
-    text, so the next text that extends it hashes only what it appended (see ``TextKeys``).
+    ``stable`` is how many leading spans every longer text that extends this one has too
+    (those starting before ``tail_from``). ``hashers`` lets a reader keep, per key namespace,
+    where hashing stopped (a ``tokcache.store.keys.KeyState`` at a stable cut), so the next
+    text that extends it hashes only what it appended (see ``TextKeys``).
     """
 
     data: bytes
@@ -153,8 +180,13 @@ class Scan:
     kept_end: int
     base_len: int = 0
     text: str | None = None
-    hashers: dict[bytes, tuple[int, object]] = field(default_factory=dict)
+    hashers: dict[tuple[str, bytes], Any] = field(default_factory=dict)
     base: Scan | None = None
+    stable: int = 0
+    # Where the memo filed it (None: not filed under an anchor, e.g. still among the recent).
+    filed: tuple[bool, int, int] | None = None
+    # A reader's canonical encoding of this text from some cut on (see Lookup._canonical_tail).
+    encoded: Encoded | None = None
 
     @property
     def weight(self) -> int:
@@ -177,6 +209,7 @@ _MEMO_WINDOW = 64
 _MEMO_PROBES = 48  # anchors tried: a base up to ~192K units shorter is found
 _MEMO_PER_KEY = 32  # texts filed under one key (many conversations' first turns may share one)
 _MEMO_CHECK = 256  # units before a candidate's end compared before the whole of it
+_MEMO_RECENT = 4  # the latest texts, tried before any anchor (one per conversation in flight)
 
 
 def _anchor(n: int) -> int:
@@ -219,15 +252,22 @@ class BoundaryScanner:
     """
 
     def __init__(self, all_added: Sequence[str], boundary_tokens: Sequence[str], *,
-                 memo_bytes: int = _MEMO_BYTES) -> None:
+                 memo_bytes: int = _MEMO_BYTES, native: bool = True) -> None:
         self._boundaries = frozenset(t.encode("utf-8") for t in boundary_tokens)
         words = {t.encode("utf-8") for t in all_added if t}
         self._pattern: re.Pattern[bytes] | None = _trie_pattern(words) if self._boundaries else None
+        self._matcher: Any = None
+        if native and _native is not None and self._pattern is not None:
+            self._matcher = _native.Matcher([(w, w in self._boundaries) for w in sorted(words)])
         self._maxlen = max((len(w) for w in words), default=1)
         # Recent texts and their scans (see _anchor): a growing conversation rescans (and
         # re-encodes, and re-hashes) only what it appended. Guarded by _lock (the memo is
         # shared by the threads of a process); _bytes is its weight.
         self._memo: OrderedDict[tuple[bool, int, int], list[Scan]] = OrderedDict()
+        # The latest few texts, newest first, tried before the anchors: a process serving a
+        # few conversations at a time finds each one's previous turn here with one compare.
+        # A text leaves it for the anchors when newer ones push it out.
+        self._recent: list[Scan] = []
         self._memo_bytes = memo_bytes
         self._bytes = 0
         self._lock = threading.Lock()
@@ -286,6 +326,13 @@ class BoundaryScanner:
         """The longest recent text that ``seq`` extends (a str: one scanned from a str), or None."""
         is_text = isinstance(seq, str)
         n = len(seq)
+        for c in tuple(self._recent):  # the newest first; a snapshot (other threads file too)
+            old = c.text if is_text else c.data
+            if old is not None and (c.text is not None) == is_text:
+                m = len(old)
+                if m <= n and seq[max(0, m - _MEMO_CHECK):m] == old[-_MEMO_CHECK:] \
+                        and seq.startswith(old):  # type: ignore[arg-type]  # old has seq's type
+                    return c
         top = _anchor(n)
         memo = self._memo
         for a in range(top, max(-1, top - _MEMO_PROBES * _MEMO_GRID), -_MEMO_GRID):
@@ -313,54 +360,84 @@ class BoundaryScanner:
         a = _anchor(len(seq))
         return None if a < 0 else (is_text, a, hash(seq[a:a + _MEMO_WINDOW]))
 
-    def _matches(self, data: bytes, pos: int) -> list[tuple[int, int, bool]]:
-        assert self._pattern is not None
-        boundaries = self._boundaries
-        return [(m.start(), m.end(), m.group() in boundaries) for m in self._pattern.finditer(data, pos)]
-
     def _finish(self, data: bytes, base: Scan | None, text: str | None) -> Scan:
+        assert self._pattern is not None
         if base is None:
             spans: list[tuple[int, int]] = []
-            kept_end = 0
-            new = self._matches(data, 0)
+            kept_end = pos = 0
         else:
             # Matches that start before the base's tail region cannot change (no added token
             # is longer than maxlen); the region itself is scanned again with the new text.
             kept_end = base.kept_end
-            spans = base.spans[:bisect_left(base.spans, (base.tail_from,))]
-            new = self._matches(data, max(base.tail_from, kept_end))
-        spans += [(a, b) for a, b, is_boundary in new if is_boundary]
+            spans = base.spans[:base.stable]
+            pos = max(base.tail_from, kept_end)
         tail_from = max(0, len(data) - self._maxlen + 1)
-        tail: list[tuple[int, int]] = []
-        for a, b, _ in new:
-            if a < tail_from:
-                kept_end = b
+        if self._matcher is not None:
+            new, tail, kept, stable = self._matcher.scan(data, pos, tail_from)
+            if kept >= 0:
+                kept_end = kept
+            stable += len(spans)
+            spans += new
+            return self._keep(Scan(data, spans, tail, tail_from, kept_end, len(base.data) if base is not None else 0,
+                                   text, base=base, stable=stable), base)
+        tail = []
+        stable = -1
+        boundaries = self._boundaries
+        for m in self._pattern.finditer(data, pos):
+            span = m.span()
+            if span[0] < tail_from:
+                kept_end = span[1]
             else:
-                tail.append((a, b))
+                if stable < 0:
+                    stable = len(spans)
+                tail.append(span)
+            if m.group() in boundaries:
+                spans.append(span)
         scan = Scan(data, spans, tail, tail_from, kept_end, len(base.data) if base is not None else 0, text,
-                    base=base)
-        is_text = text is not None
-        key = self._file(scan, is_text)
+                    base=base, stable=len(spans) if stable < 0 else stable)
+        return self._keep(scan, base)
+
+    def _keep(self, scan: Scan, base: Scan | None) -> Scan:
+        """File ``scan`` among the recent texts, superseding ``base``; returns it."""
         # The text this one extends is superseded: a conversation keeps one entry (its latest
         # turn), so the budget holds as many conversations as it can.
-        old_key = self._file(base, is_text) if base is not None and (base.text is not None) == is_text else None
         with self._lock:
-            if old_key is not None and base is not None:
-                self._drop(old_key, base)
-            if key is not None:
-                bucket = self._memo.setdefault(key, [])
-                self._memo.move_to_end(key)
-                bucket.insert(0, scan)
-                self._bytes += scan.weight
-                for dropped in bucket[_MEMO_PER_KEY:]:
-                    self._bytes -= dropped.weight
-                del bucket[_MEMO_PER_KEY:]
-                while self._bytes > self._memo_bytes and self._memo:
-                    _, gone = self._memo.popitem(last=False)
-                    self._bytes -= sum(e.weight for e in gone)
+            recent = self._recent
+            if base is not None:
+                if base.filed is not None:
+                    self._drop(base.filed, base)
+                elif base in recent:
+                    recent.remove(base)
+                    self._bytes -= base.weight
+            recent.insert(0, scan)
+            self._bytes += scan.weight
+            if len(recent) > _MEMO_RECENT:
+                self._file_old(recent.pop())
+            while self._bytes > self._memo_bytes and self._memo:
+                _, gone = self._memo.popitem(last=False)
+                self._bytes -= sum(e.weight for e in gone)
+                for e in gone:
+                    e.filed = None
+            while self._bytes > self._memo_bytes and recent:
+                self._bytes -= recent.pop().weight
         if base is not None:  # one level is all a reader uses: do not keep a chain of old texts alive
-            object.__setattr__(base, "base", None)
+            base.base = None
         return scan
+
+    def _file_old(self, scan: Scan) -> None:
+        """File a text that left the recent ones under its anchor (or forget it). Lock held."""
+        key = self._file(scan, scan.text is not None)
+        if key is None:
+            self._bytes -= scan.weight
+            return
+        bucket = self._memo.setdefault(key, [])
+        self._memo.move_to_end(key)
+        bucket.insert(0, scan)
+        scan.filed = key
+        for dropped in bucket[_MEMO_PER_KEY:]:
+            self._bytes -= dropped.weight
+            dropped.filed = None
+        del bucket[_MEMO_PER_KEY:]
 
     def _drop(self, key: tuple[bool, int, int], scan: Scan) -> None:
         """Remove ``scan`` (the object) from the memo. Lock held."""
@@ -371,6 +448,7 @@ class BoundaryScanner:
             if e is scan:
                 del bucket[i]
                 self._bytes -= scan.weight
+                scan.filed = None
                 break
         if not bucket:
             del self._memo[key]

@@ -124,6 +124,9 @@ class Chunks:
 
 # Parts past which a container is flattened into one list (one copy, then short chains again).
 MAX_PARTS = 64
+# Parts past which a memo entry is flattened when it is stored (write path): a result copies
+# a few parts about as fast as one, and flattening every turn copies the whole conversation.
+COMPACT_PARTS = 8
 
 
 class ListFormat(IdFormat["Chunks", list[int]]):
@@ -169,10 +172,10 @@ class ListFormat(IdFormat["Chunks", list[int]]):
         return out
 
     def compact(self, ids: Chunks) -> Chunks:
-        """One list: a result copies one part instead of one per turn the chain grew by
-        (each a few µs of interpreter work when its caches are cold). Done when a memo
-        entry is stored, after the reply."""
-        if len(ids.parts) <= 1:
+        """One list once ids are in more than COMPACT_PARTS parts: a result copies a few
+        parts instead of one per turn the chain grew by (each a few µs of interpreter work
+        when its caches are cold). Done when a memo entry is stored, after the reply."""
+        if len(ids.parts) <= COMPACT_PARTS:
             return ids
         flat = self.result(ids, ids.n)
         return Chunks(((flat, len(flat)),), len(flat))

@@ -27,19 +27,19 @@ key or nothing.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, Protocol
 
 from tokcache.engine.affixes import Affixes
-from tokcache.engine.boundaries import BoundaryScanner, Scan
+from tokcache.engine.boundaries import BoundaryScanner, Encoded, Scan
 from tokcache.engine.encoder import Encoder
 from tokcache.engine.errors import InvalidRequest, RequestTooLarge
 from tokcache.engine.ids import IdFormat, Ids, Out
 from tokcache.engine.memo import ChainMemo
 from tokcache.ids import pack_ids, unpack_ids
 from tokcache.store import Kind, Known, RecordRef, StoreError, Walk
-from tokcache.store.keys import MODE_EXACT, MODE_KV_STABLE, TextKeys, namespace, segment_key
+from tokcache.store.keys import MODE_EXACT, MODE_KV_STABLE, TextKeys, segment_key
 
 __all__ = [
     "CacheView",
@@ -54,14 +54,20 @@ __all__ = [
     "utf8",
 ]
 
-# Keys of the last cuts are computed in one pass (a turn adds ~4-12 cuts);
-# also how many shorter cuts are tried when a winner's chain is broken.
-TAIL_PROBES = 16
+# The longest-prefix search probes the last this many cuts first (one native call), then
+# gallops below them. A turn adds ~4-12 cuts, and a client stores a turn's entries only
+# once its uncached tail is long enough (MIN_WRITE_BYTES in the client), so the last
+# stored cut is usually a few turns back: within this window. Only the cuts a text
+# appended are hashed for it (the others' keys come from the text it extends). Also how
+# many shorter cuts are tried when a winner's chain is broken.
+TAIL_PROBES = 64
 # Segment AR: pieces shorter than this are not looked up; a recorded output
 # may start after at most this many leading newlines of a piece (role headers).
 MIN_SEGMENT_BYTES = 4
 _SEGMENT_HEADER_BYTES = 64
 _SEGMENT_MAX_STARTS = 3
+# Tokens searched back from a tail's end for its last stable cut (see _through_last_stable).
+_TOKENS_AFTER_CUT = 256
 
 
 def utf8(text: str, field: str = "text") -> bytes:
@@ -128,6 +134,9 @@ class ReadModel:
     # The ids of the boundary tokens: in a tail encoded in one call, each cut is right
     # after one of them (an added token always encodes to exactly its own id).
     boundary_ids: frozenset[int] = frozenset()
+    # The same, by each token's UTF-8 text: where a cut falls in a tail's ids is found
+    # from the spans' texts (list.index), not by testing every id.
+    boundary_id_of: Mapping[bytes, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -170,10 +179,10 @@ class PendingWrite(Generic[Ids]):
     keys: TextKeys
     first_new: int
     n_cuts: int
-    ends: list[int] | None  # tokens of ``ids`` after each piece; None: found from boundary_ids
+    ends: list[int] | None  # tokens of ``ids`` after each piece; None: found from boundary_id_of
     full: Ids
     decision: Decision
-    boundary_ids: frozenset[int] = frozenset()
+    boundary_id_of: Mapping[bytes, int] = field(default_factory=dict)
 
     def entries(self) -> list[tuple[bytes, int] | tuple[bytes, int, Kind]]:
         """(key, ids used) per new cut, and the L0 key (its own kind: ``--ttl-l0`` applies).
@@ -183,15 +192,29 @@ class PendingWrite(Generic[Ids]):
         """
         ends = self.ends
         if ends is None:
-            marks = self.boundary_ids
-            ends = [k + 1 for k, t in enumerate(self.ids) if t in marks]
-            ends.append(len(self.ids))
+            ends = self._cut_ends()
         out: list[tuple[bytes, int] | tuple[bytes, int, Kind]] = []
         if len(ends) == self.n_cuts - self.first_new + 1:  # else only the L0 key (cannot happen)
             self.keys.fill(self.first_new, self.n_cuts)
             out += [(self.keys.key(i), ends[k]) for k, i in enumerate(range(self.first_new, self.n_cuts))]
         out.append((self.keys.exact_key(), len(self.ids), Kind.L0))
         return out
+
+    def _cut_ends(self) -> list[int]:
+        """Tokens of ``ids`` up to each new cut, then all: each cut is right after its
+        boundary token, whose id comes once in the tail's ids per occurrence in its text."""
+        ids, id_of = self.ids, self.boundary_id_of
+        data, spans = self.keys.data, self.keys.spans
+        ends: list[int] = []
+        pos = 0
+        try:
+            for start, end in spans[self.first_new:self.n_cuts]:
+                pos = ids.index(id_of[data[start:end]], pos) + 1
+                ends.append(pos)
+        except (KeyError, ValueError):  # not found as expected (cannot happen): cut no keys
+            return [len(ids)]
+        ends.append(len(ids))
+        return ends
 
     @property
     def exact_key(self) -> bytes:
@@ -288,14 +311,13 @@ class Lookup(Generic[Ids, Out]):
         t0 = time.perf_counter_ns()
         spans = scan.spans
         decision.boundaries = len(spans)
-        ns = namespace(salt, tag)
         # Hash only what was appended to a text hashed before (same namespace).
-        resume = scan.base.hashers.get(ns) if scan.base is not None else None
-        keys = TextKeys(data, spans, salt, tag, resume)
+        ns = (salt, tag)
+        keys = TextKeys(data, spans, salt, tag, scan.base.hashers.get(ns) if scan.base is not None else None)
         store, ar = self._usable_store(tag, decision)
         # One hashing pass: the L1 keys of the last cuts, the AR keys between them, the L0 key.
-        keys.scan_tail(len(spans) - TAIL_PROBES, ar=ar)
-        state = keys.last_cut_state()
+        keys.scan_tail(len(spans) - TAIL_PROBES, ar=ar, keep=scan.stable)
+        state = keys.state()
         if state is not None:
             scan.hashers[ns] = state
         hit = self._find_hit(store, keys, spans, ar, decision)
@@ -304,27 +326,62 @@ class Lookup(Generic[Ids, Out]):
         prefix, suffix = (affixes.prefix, affixes.suffix) if add_special_tokens else ((), ())
         if hit.exact:
             assert hit.ids is not None
-            self._account(decision, hit, data, n_chars)
+            decision.cached_tokens = hit.tokens
+            decision.cached_chars = n_chars
+            decision.cached_bytes = len(data)
             return Result(self.fmt.result(hit.ids, hit.tokens, prefix, suffix), decision)
         # The cluster tier is asked only when nothing recorded applies here: a conversation
         # whose last output was recorded on this node needs nothing from elsewhere.
         ask = tier and store is not None and tag == MODE_KV_STABLE and decision.source != "ar"
-        tail = self._encode_tail(store if ar else None, data, spans, hit, salt, tag, ask)
+        tail_text = data[hit.start:].decode("utf-8") if hit.start else (scan.text or data.decode("utf-8"))
+        tail = self._encode_tail(store if ar else None, scan, tail_text, hit, salt, tag, ask)
         decision.timings["encode"] = (t1, time.perf_counter_ns())
         if tail.spliced:
             decision.segment_splices = tail.spliced
             decision.ar_spliced_tokens += tail.spliced
             if decision.source in ("miss", "l1"):
                 decision.source = "ar"
-        self._account(decision, hit, data, n_chars)
+        if decision.source != "miss":
+            decision.cached_tokens = hit.tokens
+            decision.cached_chars = n_chars - len(tail_text)
+        decision.encoded_chars = len(tail_text)
+        decision.cached_bytes = hit.start
+        decision.encoded_bytes = len(data) - hit.start
         more = self.fmt.from_list(tail.ids)
         full = more if hit.ids is None else self.fmt.grow(hit.ids, hit.tokens, more)
         n_full = hit.tokens + len(tail.ids)
         write = None
         if store is not None:
             write = PendingWrite(hit.parent, hit.tokens, tail.ids, keys, hit.first_new, len(spans), tail.ends, full,
-                                 decision, self.model.boundary_ids)
+                                 decision, self.model.boundary_id_of)
         return Result(self.fmt.result(full, n_full, prefix, suffix), decision, write)
+
+    def _canonical_tail(self, scan: Scan, tail_text: str, start: int) -> list[int]:
+        """The canonical ids of ``tail_text`` (``scan.data[start:]``), reusing what this
+        process encoded for the text ``scan`` extends from the same ``start``: its ids up to
+        its last stable cut, a safe boundary, so the two parts concatenate exactly.
+
+        Between two stored turns a conversation's hit stays at the last stored cut: this
+        makes each turn encode only what it appended, however long the uncached tail.
+        Only for tails encoded without splices (nothing recorded applies), whose ids
+        depend on the text alone.
+        """
+        encoder = self.model.encoder
+        base = scan.base
+        memo = base.encoded if base is not None else None
+        if memo is not None and memo.start == start and base is not None and base.stable:
+            cut = base.spans[base.stable - 1][1]
+            if start < cut:
+                if memo.stable_tokens is None:
+                    memo.stable_tokens = _through_last_stable(base, memo.ids, self.model.boundary_id_of) or -1
+                if memo.stable_tokens > 0:
+                    ids = memo.ids[:memo.stable_tokens]
+                    ids += encoder.encode(scan.data[cut:].decode("utf-8"))
+                    scan.encoded = Encoded(start, ids)
+                    return ids
+        ids = encoder.encode(tail_text)
+        scan.encoded = Encoded(start, ids)
+        return ids
 
     # -- step 1: the hit -----------------------------------------------------------------
 
@@ -381,11 +438,12 @@ class Lookup(Generic[Ids, Out]):
             if j >= 0:
                 decision.source = "l1"
             if ar:
+                # The longest recorded output that ends where a boundary past the L1 cut
+                # starts: the highest such cut whose key is present and whose chain reads.
                 decision.ar_prefix_hit = False
-                for i in range(n - 1, j, -1):  # the longest recorded output past the L1 cut
-                    start = spans[i][0]
-                    if start < hit.start:
-                        break
+                keys.fill_ar(j + 1, n)
+                hi = n
+                while (i := store.last_present(keys.ar_keys, j + 1, hi)) >= 0:
                     key = keys.ar_key(i)
                     found = self._read(store, key)
                     if found is not None:
@@ -394,7 +452,8 @@ class Lookup(Generic[Ids, Out]):
                         # prompt tokens between the L1 cut and the output).
                         decision.ar_spliced_tokens = found[1] - hit.tokens
                         decision.source = "ar"
-                        return _Hit(found[0], found[1], start, key, i)
+                        return _Hit(found[0], found[1], spans[i][0], key, i)
+                    hi = i
             return hit
         except StoreError:
             decision.store_errors += 1
@@ -452,8 +511,8 @@ class Lookup(Generic[Ids, Out]):
 
     # -- step 2: the tail ----------------------------------------------------------------
 
-    def _encode_tail(self, store: CacheView | None, data: bytes, spans: list[tuple[int, int]], hit: _Hit[Ids],
-                     salt: str, tag: bytes, tier: bool = False) -> _Tail:
+    def _encode_tail(self, store: CacheView | None, scan: Scan, tail_text: str, hit: _Hit[Ids], salt: str,
+                     tag: bytes, tier: bool = False) -> _Tail:
         """Encode ``data[hit.start:]`` piece by piece (body, boundary token), one native call;
         with a store, splice recorded outputs (segment AR).
 
@@ -462,10 +521,11 @@ class Lookup(Generic[Ids, Out]):
         ``encode(header) + recorded ids``.
         """
         encoder = self.model.encoder
+        data, spans = scan.data, scan.spans
         if store is None and self.model.boundary_ids and not tier:
             # The cuts are safe boundaries, so the tail encodes in one call; where each
             # cut falls is found from the boundary ids on the write path, if ever needed.
-            return _Tail(encoder.encode(data[hit.start:].decode("utf-8")), None, 0)
+            return _Tail(self._canonical_tail(scan, tail_text, hit.start), None, 0)
         pieces: list[tuple[bytes, bytes]] = []
         a = hit.start
         for s_i, e_i in spans[hit.first_new:]:
@@ -492,7 +552,7 @@ class Lookup(Generic[Ids, Out]):
                 raise TierNeeded(candidates)
         if not splices:
             if self.model.boundary_ids:
-                return _Tail(encoder.encode(data[hit.start:].decode("utf-8")), None, 0)
+                return _Tail(self._canonical_tail(scan, tail_text, hit.start), None, 0)
             flat, ends = encoder.encode_pieces([(b + t).decode("utf-8") for b, t in pieces])
             return _Tail(flat, ends, 0)
         # Spliced pieces are encoded as two texts (header, token) around the recorded ids.
@@ -522,32 +582,40 @@ class Lookup(Generic[Ids, Out]):
             piece_ends.append(len(out))
         return _Tail(out, piece_ends, spliced)
 
-    # -- step 3: the decision's figures --------------------------------------------------
 
-    @staticmethod
-    def _account(decision: Decision, hit: _Hit[Ids], data: bytes, n_chars: int) -> None:
-        if hit.exact:
-            decision.cached_tokens = hit.tokens
-            decision.cached_chars = n_chars
-            decision.cached_bytes = len(data)
-            return
-        tail_chars = len(data[hit.start:].decode("utf-8")) if hit.start else n_chars
-        if decision.source != "miss":
-            decision.cached_tokens = hit.tokens
-            decision.cached_chars = n_chars - tail_chars
-        decision.encoded_chars = tail_chars
-        decision.cached_bytes = hit.start
-        decision.encoded_bytes = len(data) - hit.start
+def _through_last_stable(scan: Scan, ids: list[int], id_of: Mapping[bytes, int]) -> int | None:
+    """Tokens of ``ids`` (the canonical ids of ``scan``'s text from some earlier cut on) up
+    to its last stable cut, found from the end: each boundary token encodes to its own id
+    once, and only a few tokens follow the last cut (a generation prompt). None when that
+    cannot be told cheaply."""
+    spans, data = scan.spans, scan.data
+    k = len(ids)
+    for i in range(len(spans) - 1, scan.stable - 2, -1):
+        start, end = spans[i]
+        bid = id_of.get(data[start:end])
+        if bid is None:
+            return None
+        j = k - 1
+        stop = max(-1, k - _TOKENS_AFTER_CUT)
+        while j > stop and ids[j] != bid:
+            j -= 1
+        if j <= stop:
+            return None
+        k = j
+    return k + 1
 
 
-def commit(store: WriteView, memo: ChainMemo[Ids], write: PendingWrite[Ids]) -> RecordRef | None:
+def commit(store: WriteView, memo: ChainMemo[Ids], write: PendingWrite[Ids], *,
+           lock_timeout: float | None = None) -> RecordRef | None:
     """Store a pending write: one record, its keys; remember its ids in ``memo``.
 
     Returns the record, or None when the store refused it (parent gone, full) — the
-    result was served anyway. Raises StoreError when the store fails.
+    result was served anyway. Raises StoreError when the store fails (LockTimeout when
+    another writer holds the segment longer than ``lock_timeout``: the store's default).
     """
     entries = write.entries()
-    ref = store.put(write.parent, write.parent_tokens, pack_ids(write.ids), entries, Kind.L1)
+    ref = store.put(write.parent, write.parent_tokens, pack_ids(write.ids), entries, Kind.L1,
+                    lock_timeout=lock_timeout)
     write.decision.stored = ref is not None
     if ref is not None:
         shift = ref.n - len(write.ids)  # > 0 when the store inlined the parent's ids
@@ -559,7 +627,8 @@ class WriteView(Protocol):
     """What :func:`commit` needs: ``Store.put``."""
 
     def put(self, parent: bytes | None, parent_tokens: int, ids: bytes,
-            entries: Sequence[tuple[bytes, int] | tuple[bytes, int, Kind]], kind: Kind) -> RecordRef | None: ...
+            entries: Sequence[tuple[bytes, int] | tuple[bytes, int, Kind]], kind: Kind, *,
+            lock_timeout: float | None = None) -> RecordRef | None: ...
 
 
 def _segment_starts(piece: bytes) -> list[int]:

@@ -73,8 +73,9 @@ def prove(tokenizer_json: Path, *, backends: tuple[str, ...] = ("fastokens", "to
     scanner = BoundaryScanner.from_tokenizer(tokenizer_json, check)
     affixes = detect_affixes(choice.reference)
     vocab = int(choice.reference.tokenizer.get_vocab_size(with_added_tokens=True))
-    ids = frozenset(_boundary_ids(tokenizer_json, check.boundary_tokens))
-    model = ReadModel(fingerprint, choice.encoder, scanner, affixes, check.disabled_reason, vocab, ids)
+    id_of = _boundary_map(tokenizer_json, check.boundary_tokens)
+    model = ReadModel(fingerprint, choice.encoder, scanner, affixes, check.disabled_reason, vocab,
+                      frozenset(id_of.values()), id_of)
     return Proven(model, choice, check)
 
 
@@ -147,12 +148,18 @@ class Manifest:
 
 
 def _boundary_ids(tokenizer_json: Path, contents: tuple[str, ...]) -> list[int]:
+    return list(_boundary_map(tokenizer_json, contents).values())
+
+
+def _boundary_map(tokenizer_json: Path, contents: tuple[str, ...]) -> dict[bytes, int]:
+    """The id of each boundary token, by its UTF-8 text."""
     wanted = set(contents)
-    out: list[int] = []
+    out: dict[bytes, int] = {}
     for t in added_tokens(tokenizer_json):
         tid = t.get("id")
-        if t.get("content") in wanted and isinstance(tid, int):
-            out.append(tid)
+        content = t.get("content")
+        if content in wanted and isinstance(tid, int):
+            out[str(content).encode("utf-8")] = tid
     return out
 
 
@@ -187,5 +194,6 @@ def from_manifest(tokenizer_json: Path, manifest: Manifest, *, encoder: Encoder 
     scanner = BoundaryScanner.from_tokenizer(tokenizer_json, check)
     affixes = Affixes(tuple(manifest.affix_prefix), tuple(manifest.affix_suffix), manifest.affix_separable,
                       manifest.affix_reason)
-    ids = frozenset(i for lo, hi in manifest.boundary_ids for i in range(lo, hi + 1) if i in by_id)
-    return ReadModel(fingerprint, encoder, scanner, affixes, manifest.l1_disabled_reason, manifest.vocab_size, ids)
+    id_of = {by_id[i].encode("utf-8"): i for lo, hi in manifest.boundary_ids for i in range(lo, hi + 1) if i in by_id}
+    return ReadModel(fingerprint, encoder, scanner, affixes, manifest.l1_disabled_reason, manifest.vocab_size,
+                     frozenset(id_of.values()), id_of)

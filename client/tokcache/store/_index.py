@@ -10,6 +10,8 @@ another key (which the record's key list rules out).
 from __future__ import annotations
 
 import mmap
+import os
+from typing import Any
 
 from ._layout import (
     BUCKET_SIZE,
@@ -27,7 +29,22 @@ from ._layout import (
     tag_of,
 )
 
-__all__ = ["STATS_SAMPLE_BUCKETS", "Index"]
+__all__ = ["NATIVE", "STATS_SAMPLE_BUCKETS", "Index"]
+
+# The probes in C (``_speedups.c``) when the extension was built, else the loops below;
+# TOKCACHE_PURE_PYTHON=1 forces the loops (the tests compare both).
+def _load_native() -> Any:  # noqa: ANN401 - the extension module, or None
+    if os.environ.get("TOKCACHE_PURE_PYTHON", "") in ("1", "true", "yes"):
+        return None
+    try:
+        from . import _speedups
+    except ImportError:  # not compiled here: the reference loops serve
+        return None
+    return _speedups
+
+
+_native: Any = _load_native()
+NATIVE: bool = _native is not None
 
 STATS_SAMPLE_BUCKETS = 4096  # buckets ``live_entries`` reads at most (then extrapolates)
 
@@ -35,12 +52,28 @@ STATS_SAMPLE_BUCKETS = 4096  # buckets ``live_entries`` reads at most (then extr
 class Index:
     """The index region of a mapped segment. Holds no state beyond the mapping."""
 
-    def __init__(self, mm: mmap.mmap, index_off: int, n_buckets: int, words: memoryview) -> None:
+    def __init__(self, mm: mmap.mmap, index_off: int, n_buckets: int, words: memoryview,
+                 *, native: bool = NATIVE) -> None:
         self._mm = mm
         self._off = index_off
         self._n_buckets = n_buckets
         self._words = words
         self.slots = n_buckets * BUCKET_SLOTS
+        if native and _native is not None:  # same answers, ~50x cheaper per probe
+            self.find = self._find_native  # type: ignore[method-assign]
+            self.last_live = self._last_live_native  # type: ignore[method-assign]
+            self.set = self._set_native  # type: ignore[method-assign]
+
+    def _find_native(self, key: bytes) -> int:
+        return int(_native.find(self._mm, self._off, self._n_buckets, key))
+
+    def _last_live_native(self, keys: list[bytes], lo: int, hi: int, now: float, tail: int) -> int:
+        return int(_native.last_live(self._mm, self._off, self._n_buckets, keys, lo, hi, now, tail))
+
+    def _set_native(self, key: bytes, lsn_kind: int, expiry: int, access: int, tail: int, head: int,
+                    now: float) -> None:
+        if _native.set_slot(self._mm, self._off, self._n_buckets, key, lsn_kind, expiry, access, tail, head, now):
+            self._words[W_INDEX_EVICTIONS] += 1
 
     def find(self, key: bytes) -> int:
         """Absolute offset of ``key``'s slot, or -1. Lock-free."""

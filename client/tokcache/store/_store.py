@@ -382,6 +382,8 @@ class Store:
         ids: bytes,
         entries: Sequence[tuple[bytes, int] | tuple[bytes, int, Kind]],
         kind: Kind,
+        *,
+        lock_timeout: float | None = None,
     ) -> RecordRef | None:
         """Append one record of ``ids`` (packed LE uint32) continuing ``parent``'s prefix.
 
@@ -400,7 +402,7 @@ class Store:
         The parent is bound by its record, not its key: re-putting the parent key later does
         not change this record's prefix. An expired parent still serves as a prefix. Takes
         the writer lock; raises LockTimeout when a live writer keeps it longer than
-        ``lock_timeout``, SegmentFull (nothing stored) when the tmpfs cannot allocate the
+        ``lock_timeout`` (default: the store's), SegmentFull (nothing stored) when the tmpfs cannot allocate the
         pages the record goes to even after evicting to give some back, ValueError for bad
         arguments.
         """
@@ -443,7 +445,7 @@ class Store:
         expiries = list(expiry_of.values())
         record_expiry = 0 if 0 in expiries else max(expiries)
         try:
-            self._lock.acquire()
+            self._lock.acquire(lock_timeout)
         except FOREIGN_ERRORS as exc:
             raise translated(f"lock {self.name}", exc) from exc
         try:

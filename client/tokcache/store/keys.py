@@ -11,11 +11,13 @@ fingerprint, and two model names with the same tokenizer share entries.
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import Any, NamedTuple
 
 from blake3 import blake3
 
-__all__ = ["KEY_BYTES", "KeyStream", "MODE_EXACT", "MODE_KV_STABLE", "TextKeys", "l0_key", "namespace", "segment_key"]
+__all__ = ["CHECKPOINT_CUTS", "KEY_BYTES", "KeyState", "KeyStream", "MODE_EXACT", "MODE_KV_STABLE", "TextKeys",
+           "l0_key", "namespace", "root_hasher", "segment_key"]
 
 KEY_BYTES = 16
 MODE_EXACT = b"C"  # canonical ids only
@@ -84,6 +86,34 @@ def segment_key(salt: str, mode: bytes, text: bytes) -> bytes:
     return h.digest(KEY_BYTES)
 
 
+class KeyState(NamedTuple):
+    """Where hashing one text stopped, for a text that extends it (``TextKeys(resume=...)``).
+
+    ``hasher`` was fed the namespace header and ``data[:spans[cut][1]]`` and is never
+    updated again (a user copies it); ``l1`` and ``ar`` hold the L1 and AR keys that text
+    computed, by cut index (None where not computed): only those at cuts ``<= cut`` are
+    meant (the text's own lists, shared, not copied). Valid for any text whose first
+    ``cut + 1`` boundary spans, and the bytes before the end of span ``cut``, are the same.
+    """
+
+    cut: int
+    hasher: Any
+    l1: list[bytes | None]
+    ar: list[bytes | None]
+
+
+# Random access below the keys a request hashes anyway (the longest-prefix search after a
+# rewritten history gallops back): one pass keeps a hasher every this many cuts, so a key
+# costs a copy and at most this many cuts of hashing, not a pass over its whole prefix.
+CHECKPOINT_CUTS = 16
+
+
+@functools.lru_cache(maxsize=64)
+def root_hasher(salt: str, mode: bytes) -> Any:  # noqa: ANN401 - blake3's hasher type is untyped
+    """A hasher fed the namespace header of (salt, mode): copy it, never update it."""
+    return KeyStream(salt, mode)._h
+
+
 class TextKeys:
     """Keys of one text at its boundaries, computed lazily and only where needed.
 
@@ -93,13 +123,15 @@ class TextKeys:
     its last few cuts only (the lookup probes them; the new ones are stored),
     so :meth:`scan_tail` fills those, the AR keys at the boundary starts
     between them and the whole-text key in one running pass; any other key
-    is one pass over its prefix.
+    is hashed from the nearest state this object holds.
 
+    ``resume`` (a :class:`KeyState` of a text this one extends) makes the keys it holds
+    free and starts hashing at its cut: a turn hashes only what it appended.
     ``spans`` are the (start, end) offsets of the boundary tokens: the L1 key
     of boundary ``i`` covers ``data[:end]``, its AR key ``data[:start]``.
     """
 
-    __slots__ = ("_base", "_data", "_spans", "_keys", "_ar_keys", "_exact", "_resume", "_last")
+    __slots__ = ("_root", "_data", "_spans", "_keys", "_ar_keys", "_exact", "_resume", "_marks", "_state")
 
     @property
     def data(self) -> bytes:
@@ -107,41 +139,55 @@ class TextKeys:
         return self._data
 
     def __init__(self, data: bytes, spans: list[tuple[int, int]], salt: str, mode: bytes,
-                 resume: tuple[int, Any] | None = None) -> None:
-        """``resume``: (offset, hash state after the namespace header and ``data[:offset]``),
-        from :meth:`last_cut_state` of a text ``data`` extends: hashing starts there."""
-        self._base = KeyStream(salt, mode)
+                 resume: KeyState | None = None) -> None:
+        self._root = root_hasher(salt, mode)
         self._data = data
         self._spans = spans
-        self._keys: list[bytes | None] = [None] * len(spans)
-        self._ar_keys: dict[int, bytes] = {}
+        n = len(spans)
+        self._keys: list[bytes | None] = [None] * n
+        self._ar_keys: list[bytes | None] = [None] * n
         self._exact: bytes | None = None
-        self._resume = resume if resume is not None and resume[0] <= len(data) else None
-        self._last: tuple[int, Any] | None = None
+        ok = resume is not None and resume.cut < n and spans[resume.cut][1] <= len(data)
+        self._resume = resume if ok else None
+        # Hasher states (offset, hasher) by ascending offset, beside the resume point.
+        self._marks: list[tuple[int, Any]] = []
+        self._state: KeyState | None = None
 
     def _hasher_at(self, offset: int) -> Any:  # noqa: ANN401 - blake3's hasher type is untyped
-        """A hasher fed the namespace header and ``data[:offset]``."""
+        """A (new) hasher fed the namespace header and ``data[:offset]``, from the nearest
+        state at or below ``offset``."""
+        start, base = 0, self._root
         r = self._resume
-        if r is not None and r[0] <= offset:
-            h = r[1].copy()
-            h.update(memoryview(self._data)[r[0]:offset])
-        else:
-            h = self._base._h.copy()
-            h.update(memoryview(self._data)[:offset])
+        if r is not None:
+            r_off = self._spans[r.cut][1]
+            if r_off <= offset:
+                start, base = r_off, r.hasher
+        for m_off, m in self._marks:
+            if start < m_off <= offset:
+                start, base = m_off, m
+        h = base.copy()
+        if offset > start:
+            h.update(memoryview(self._data)[start:offset])
         return h
+
+    @property
+    def spans(self) -> list[tuple[int, int]]:
+        """The boundary spans the keys are at."""
+        return self._spans
 
     @property
     def keys(self) -> list[bytes]:
         """The L1 keys by boundary index; only the ones computed are set (see :meth:`fill`)."""
         return self._keys  # type: ignore[return-value]
 
-    def namespace(self) -> bytes:
-        """What identifies these keys' namespace (mode and salt), for memoizing hash states."""
-        return self._base.namespace
+    @property
+    def ar_keys(self) -> list[bytes]:
+        """The AR keys by boundary index; only the ones computed are set (see :meth:`fill_ar`)."""
+        return self._ar_keys  # type: ignore[return-value]
 
-    def last_cut_state(self) -> tuple[int, Any] | None:
-        """(offset, hash state) where :meth:`scan_tail`'s window started (for ``resume``)."""
-        return self._last
+    def state(self) -> KeyState | None:
+        """Where :meth:`scan_tail` left the last cut a longer text keeps (for ``resume``)."""
+        return self._state
 
     def exact_key(self) -> bytes:
         """The L0 key of the whole text."""
@@ -155,43 +201,104 @@ class TextKeys:
         """The L1 key of ``data[:spans[i][1]]``."""
         k = self._keys[i]
         if k is None:
-            k = self._keys[i] = self._hasher_at(self._spans[i][1]).digest(KEY_BYTES)
+            r = self._resume
+            if r is not None and i <= r.cut:
+                k = r.l1[i]
+            if k is None:
+                self._checkpoint(i)
+                k = self._hasher_at(self._spans[i][1]).digest(KEY_BYTES)
+            self._keys[i] = k
         return k
 
     def ar_key(self, i: int) -> bytes:
         """The AR key of ``data[:spans[i][0]]``: a recorded output ending where boundary ``i`` starts."""
-        k = self._ar_keys.get(i)
+        k = self._ar_keys[i]
         if k is None:
-            h = self._hasher_at(self._spans[i][0])
-            h.update(_AR_SUFFIX)
-            k = self._ar_keys[i] = h.digest(KEY_BYTES)
+            r = self._resume
+            if r is not None and i <= r.cut:
+                k = r.ar[i]
+            if k is None:
+                self._checkpoint(i)
+                h = self._hasher_at(self._spans[i][0])
+                h.update(_AR_SUFFIX)
+                k = h.digest(KEY_BYTES)
+            self._ar_keys[i] = k
         return k
 
-    def scan_tail(self, lo: int, *, ar: bool) -> None:
+    def _checkpoint(self, i: int) -> None:
+        """Before hashing a key far below every state held: one pass keeping a hasher every
+        CHECKPOINT_CUTS cuts up to the lowest state (a gallop then costs short hashes)."""
+        spans = self._spans
+        offset = spans[i][1]
+        low = spans[self._resume.cut][1] if self._resume is not None else len(self._data)
+        if self._marks or offset + 4096 > low:
+            return
+        h = self._root.copy()
+        mv = memoryview(self._data)
+        prev = 0
+        marks = []
+        for j in range(CHECKPOINT_CUTS - 1, len(spans), CHECKPOINT_CUTS):
+            end = spans[j][1]
+            if end >= low:
+                break
+            h.update(mv[prev:end])
+            prev = end
+            marks.append((end, h.copy()))
+        self._marks = marks
+
+    def scan_tail(self, lo: int, *, ar: bool, keep: int | None = None) -> None:
         """One pass from boundary ``lo`` to the end: L1 keys of boundaries ``>= lo``, the
-        whole-text key and, with ``ar``, the AR keys of boundaries ``> lo``."""
+        whole-text key and, with ``ar``, the AR keys of boundaries ``> lo``.
+
+        ``keep``: the number of leading cuts any longer text keeps (see ``Scan.stable``);
+        the state at the last of them is kept for :meth:`state`.
+        """
+        spans = self._spans
+        n = len(spans)
         lo = max(lo, 0)
-        data, spans = memoryview(self._data), self._spans  # views: no copies of the text
-        prev = spans[lo][1] if lo < len(spans) else len(data)
-        h = self._hasher_at(prev)
-        # The state at the first cut of the window: a text that extends this one has at
-        # least as many cuts, so its window starts there or later.
-        self._last = (prev, h.copy())
-        if lo < len(spans) and self._keys[lo] is None:
-            self._keys[lo] = h.digest(KEY_BYTES)
-        for i in range(lo + 1, len(spans)):
+        data = memoryview(self._data)  # views: no copies of the text
+        keys, ar_keys = self._keys, self._ar_keys
+        r = self._resume
+        if r is not None and lo - 1 <= r.cut:
+            # Keys the text this one extends computed are the same here: take them (one
+            # slice each), and hash from where it stopped.
+            known = r.l1[lo:r.cut + 1]
+            known_ar = r.ar[lo + 1:r.cut + 1] if ar else []
+            if None in known or None in known_ar:
+                r = None  # (not a window it computed: hash the whole window)
+            else:
+                keys[lo:r.cut + 1] = known
+                if ar:
+                    ar_keys[lo + 1:r.cut + 1] = known_ar
+        if r is not None and lo - 1 <= r.cut:
+            first = r.cut + 1
+            prev = spans[r.cut][1]
+            h = r.hasher  # copied before any update (never changed: others hold it)
+        else:
+            first = lo + 1
+            prev = spans[lo][1] if lo < n else len(data)
+            h = self._hasher_at(prev)  # a fresh one: ours
+            if lo < n and keys[lo] is None:
+                keys[lo] = h.digest(KEY_BYTES)
+        last = -1 if keep is None else keep - 1
+        if last == first - 1 and last >= lo:
+            self._state = KeyState(last, h, keys, ar_keys)
+        h = h.copy()
+        for i in range(first, n):
             start, end = spans[i]
             if ar:
                 h.update(data[prev:start])
                 prev = start
-                if i not in self._ar_keys:
+                if ar_keys[i] is None:
                     a = h.copy()
                     a.update(_AR_SUFFIX)
-                    self._ar_keys[i] = a.digest(KEY_BYTES)
+                    ar_keys[i] = a.digest(KEY_BYTES)
             h.update(data[prev:end])
             prev = end
-            if self._keys[i] is None:
-                self._keys[i] = h.digest(KEY_BYTES)
+            if keys[i] is None:
+                keys[i] = h.digest(KEY_BYTES)
+            if i == last:
+                self._state = KeyState(i, h.copy(), keys, ar_keys)
         if self._exact is None:
             h.update(data[prev:])
             h.update(_L0_SUFFIX)
@@ -202,3 +309,10 @@ class TextKeys:
         lo = max(lo, 0)
         if None in self._keys[lo:hi]:
             self.scan_tail(lo, ar=False)
+
+    def fill_ar(self, lo: int, hi: int) -> None:
+        """Compute the AR keys of boundaries ``lo <= i < hi`` that are missing."""
+        ar_keys = self._ar_keys
+        for i in range(max(lo, 0), hi):
+            if ar_keys[i] is None:
+                self.ar_key(i)

@@ -137,7 +137,7 @@ def test_scan_memo_tells_conversations_apart(qwen3_path: Path) -> None:
             assert scan.spans == fresh.spans(scan.data)
             if turn:  # turn 0 extends the system prompt alone, which no one scanned
                 assert scan.base_len == len(prev.encode()), (turn, c)
-    entries = sum(len(b) for b in scanner._memo.values())
+    entries = sum(len(b) for b in scanner._memo.values()) + len(scanner._recent)
     assert entries == len(convs)
 
 

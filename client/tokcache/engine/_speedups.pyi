@@ -1,0 +1,6 @@
+"""Types of the C extension ``_speedups.c`` (the added-token scan; ``boundaries.py`` is the reference)."""
+
+class Matcher:
+    def __init__(self, tokens: list[tuple[bytes, bool]]) -> None: ...
+    def scan(self, data: bytes, pos: int, tail_from: int
+             ) -> tuple[list[tuple[int, int]], list[tuple[int, int]], int, int]: ...

@@ -1,0 +1,261 @@
+/* Index probes and slot writes in C: the same answers as the Python loops in ``_index.py``,
+ * which stay the reference (tests compare the two) and the fallback when this module is
+ * not built.
+ *
+ * A lookup probes up to ~16 keys per request and a writer points ~10 keys per record; in
+ * Python each probe is ~1.5 us of interpreter work (a 128-bit modulo, slices, a find),
+ * here tens of nanoseconds. Nothing else of the format lives here.
+ *
+ * The index region is mapped and fully allocated (fallocate + MADV_POPULATE_READ at
+ * attach), so reading it through the mapping cannot fault on a hole; writers and readers
+ * race without atomics by design: a slot is only a hint, every hit is proven by the
+ * record it names (see _layout.py).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#define KEY_SIZE 16
+#define BUCKET_SLOTS 15
+#define SLOTS_OFF 32
+#define SLOT_SIZE 32
+#define BUCKET_SIZE (SLOTS_OFF + SLOT_SIZE * BUCKET_SLOTS)
+#define LSN_MASK ((((uint64_t)1) << 56) - 1)
+
+static inline uint64_t load_u64(const unsigned char *p) {
+    uint64_t v;
+    memcpy(&v, p, 8); /* little-endian hosts only: checked at import (see module init) */
+    return v;
+}
+
+static inline uint32_t load_u32(const unsigned char *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* The key's two bucket numbers: (key as a little-endian 128-bit integer) mod n, and its
+ * high 64 bits mod n -- exactly Index._bucket_offs. */
+static inline void buckets(const unsigned char *key, uint64_t n, uint64_t *b1, uint64_t *b2) {
+    uint64_t lo = load_u64(key), hi = load_u64(key + 8);
+    unsigned __int128 h = ((unsigned __int128)hi << 64) | lo;
+    *b1 = (uint64_t)(h % n);
+    *b2 = hi % n;
+}
+
+/* Offset (from the start of the index) of key's slot, or -1. */
+static Py_ssize_t find_slot(const unsigned char *index, uint64_t n_buckets, const unsigned char *key) {
+    unsigned char tag = key[7] ^ key[15];
+    if (!tag) tag = 1;
+    uint64_t b[2];
+    buckets(key, n_buckets, &b[0], &b[1]);
+    for (int k = 0; k < 2; k++) {
+        if (k == 1 && b[1] == b[0]) break;
+        const unsigned char *bucket = index + b[k] * BUCKET_SIZE;
+        for (int i = 0; i < BUCKET_SLOTS; i++) {
+            if (bucket[i] == tag && memcmp(bucket + SLOTS_OFF + i * SLOT_SIZE, key, KEY_SIZE) == 0)
+                return (Py_ssize_t)(b[k] * BUCKET_SIZE + SLOTS_OFF + i * SLOT_SIZE);
+        }
+    }
+    return -1;
+}
+
+/* The index region of ``buf`` as a pointer, checked to hold n_buckets buckets at ``off``. */
+static int index_view(PyObject *buf, Py_ssize_t off, uint64_t n_buckets, Py_buffer *view, const unsigned char **index) {
+    if (PyObject_GetBuffer(buf, view, PyBUF_SIMPLE) < 0) return -1;
+    if (off < 0 || n_buckets == 0 || n_buckets > (uint64_t)PY_SSIZE_T_MAX / BUCKET_SIZE ||
+        (uint64_t)view->len < (uint64_t)off + n_buckets * BUCKET_SIZE) {
+        PyBuffer_Release(view);
+        PyErr_SetString(PyExc_ValueError, "the index does not fit the buffer");
+        return -1;
+    }
+    *index = (const unsigned char *)view->buf + off;
+    return 0;
+}
+
+static int key_bytes(PyObject *key, const unsigned char **out) {
+    if (!PyBytes_Check(key) || PyBytes_GET_SIZE(key) != KEY_SIZE) {
+        PyErr_SetString(PyExc_TypeError, "keys must be 16-byte bytes");
+        return -1;
+    }
+    *out = (const unsigned char *)PyBytes_AS_STRING(key);
+    return 0;
+}
+
+PyDoc_STRVAR(find_doc,
+"find(buf, index_off, n_buckets, key) -> int\n\n"
+"Absolute offset in ``buf`` of ``key``'s slot, or -1 (Index.find).");
+
+static PyObject *py_find(PyObject *self, PyObject *args) {
+    PyObject *buf, *key;
+    Py_ssize_t off;
+    unsigned long long n_buckets;
+    if (!PyArg_ParseTuple(args, "OnKO", &buf, &off, &n_buckets, &key)) return NULL;
+    const unsigned char *k;
+    if (key_bytes(key, &k) < 0) return NULL;
+    Py_buffer view;
+    const unsigned char *index;
+    if (index_view(buf, off, n_buckets, &view, &index) < 0) return NULL;
+    Py_ssize_t s = find_slot(index, n_buckets, k);
+    PyBuffer_Release(&view);
+    return PyLong_FromSsize_t(s < 0 ? -1 : off + s);
+}
+
+PyDoc_STRVAR(last_live_doc,
+"last_live(buf, index_off, n_buckets, keys, lo, hi, now, tail) -> int\n\n"
+"The highest i in [lo, hi) whose keys[i] has an unexpired slot pointing at or above\n"
+"``tail``, or -1 (Index.last_live). ``keys`` is a list of 16-byte bytes.");
+
+static PyObject *py_last_live(PyObject *self, PyObject *args) {
+    PyObject *buf, *keys;
+    Py_ssize_t off, lo, hi;
+    unsigned long long n_buckets, tail;
+    double now;
+    if (!PyArg_ParseTuple(args, "OnKO!nndK", &buf, &off, &n_buckets, &PyList_Type, &keys, &lo, &hi, &now, &tail))
+        return NULL;
+    if (lo < 0) lo = 0;
+    if (hi > PyList_GET_SIZE(keys)) hi = PyList_GET_SIZE(keys);
+    Py_buffer view;
+    const unsigned char *index;
+    if (index_view(buf, off, n_buckets, &view, &index) < 0) return NULL;
+    Py_ssize_t found = -1;
+    for (Py_ssize_t i = hi - 1; i >= lo; i--) {
+        const unsigned char *k;
+        if (key_bytes(PyList_GET_ITEM(keys, i), &k) < 0) {
+            PyBuffer_Release(&view);
+            return NULL;
+        }
+        Py_ssize_t s = find_slot(index, n_buckets, k);
+        if (s < 0) continue;
+        const unsigned char *slot = index + s;
+        uint64_t lsn_kind = load_u64(slot + KEY_SIZE);
+        uint32_t expiry = load_u32(slot + KEY_SIZE + 8);
+        if ((expiry == 0 || now < (double)expiry) && (lsn_kind & LSN_MASK) >= tail) {
+            found = i;
+            break;
+        }
+    }
+    PyBuffer_Release(&view);
+    return PyLong_FromSsize_t(found);
+}
+
+static inline void store_u64(unsigned char *p, uint64_t v) { memcpy(p, &v, 8); }
+static inline void store_u32(unsigned char *p, uint32_t v) { memcpy(p, &v, 4); }
+
+PyDoc_STRVAR(set_slot_doc,
+"set_slot(buf, index_off, n_buckets, key, lsn_kind, expiry, access, tail, head, now) -> bool\n\n"
+"Point ``key`` at a record (Index.set; the writer lock is held): its existing slot, else a\n"
+"free one, else a dead one (below tail, at or above head, expired), first bucket first,\n"
+"else the least recently read slot of both buckets. True when a live slot was evicted.");
+
+static PyObject *py_set_slot(PyObject *self, PyObject *args) {
+    PyObject *buf, *key;
+    Py_ssize_t off;
+    unsigned long long n_buckets, lsn_kind, tail, head;
+    unsigned int expiry, access;
+    double now;
+    if (!PyArg_ParseTuple(args, "OnKOKIIKKd", &buf, &off, &n_buckets, &key, &lsn_kind, &expiry, &access, &tail,
+                          &head, &now))
+        return NULL;
+    const unsigned char *k;
+    if (key_bytes(key, &k) < 0) return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(buf, &view, PyBUF_WRITABLE) < 0) return NULL;
+    if (off < 0 || n_buckets == 0 || n_buckets > (uint64_t)PY_SSIZE_T_MAX / BUCKET_SIZE ||
+        (uint64_t)view.len < (uint64_t)off + n_buckets * BUCKET_SIZE) {
+        PyBuffer_Release(&view);
+        PyErr_SetString(PyExc_ValueError, "the index does not fit the buffer");
+        return NULL;
+    }
+    unsigned char *index = (unsigned char *)view.buf + off;
+    int evicted = 0;
+    unsigned char *slot = NULL, *tagp = NULL;
+    Py_ssize_t s = find_slot(index, n_buckets, k);
+    if (s >= 0) {
+        slot = index + s; /* same key, same tag */
+    } else {
+        uint64_t b[2];
+        buckets(k, n_buckets, &b[0], &b[1]);
+        int nb = b[1] == b[0] ? 1 : 2;
+        for (int j = 0; j < nb && !slot; j++) {
+            unsigned char *bucket = index + b[j] * BUCKET_SIZE;
+            for (int i = 0; i < BUCKET_SLOTS; i++) {
+                if (bucket[i] == 0) {
+                    slot = bucket + SLOTS_OFF + i * SLOT_SIZE;
+                    tagp = bucket + i;
+                    break;
+                }
+            }
+        }
+        if (!slot) {
+            /* No free slot: a dead one, first bucket first; else the least recently read
+             * (then oldest) of both buckets -- _index._victim's order exactly. */
+            int have = 0;
+            uint64_t best_access = 0, best_lsn = 0;
+            unsigned char *best_slot = NULL, *best_tag = NULL;
+            for (int j = 0; j < nb && !slot; j++) {
+                unsigned char *bucket = index + b[j] * BUCKET_SIZE;
+                int bhave = 0;
+                uint64_t ba = 0, bl = 0;
+                unsigned char *bs = NULL, *bt = NULL;
+                for (int i = 0; i < BUCKET_SLOTS; i++) {
+                    unsigned char *cand = bucket + SLOTS_OFF + i * SLOT_SIZE;
+                    uint64_t lsn = load_u64(cand + KEY_SIZE) & LSN_MASK;
+                    uint32_t exp = load_u32(cand + KEY_SIZE + 8);
+                    uint32_t acc = load_u32(cand + KEY_SIZE + 12);
+                    if (lsn < tail || lsn >= head || (exp && now >= (double)exp)) {
+                        slot = cand;
+                        tagp = bucket + i;
+                        break;
+                    }
+                    if (!bhave || acc < ba || (acc == ba && lsn < bl)) {
+                        bhave = 1, ba = acc, bl = lsn, bs = cand, bt = bucket + i;
+                    }
+                }
+                if (!slot && (!have || ba < best_access || (ba == best_access && bl < best_lsn))) {
+                    have = 1, best_access = ba, best_lsn = bl, best_slot = bs, best_tag = bt;
+                }
+            }
+            if (!slot) {
+                slot = best_slot;
+                tagp = best_tag;
+                evicted = 1;
+            }
+        }
+    }
+    /* Slot before tag: a reader that matches the new tag finds the new slot; readers that
+     * see the old tag compare keys and miss. */
+    memcpy(slot, k, KEY_SIZE);
+    store_u64(slot + KEY_SIZE, lsn_kind);
+    store_u32(slot + KEY_SIZE + 8, expiry);
+    store_u32(slot + KEY_SIZE + 12, access);
+    if (tagp) {
+        unsigned char tag = k[7] ^ k[15];
+        __atomic_thread_fence(__ATOMIC_RELEASE);
+        *tagp = tag ? tag : 1;
+    }
+    PyBuffer_Release(&view);
+    return PyBool_FromLong(evicted);
+}
+
+static PyMethodDef methods[] = {
+    {"set_slot", py_set_slot, METH_VARARGS, set_slot_doc},
+    {"find", py_find, METH_VARARGS, find_doc},
+    {"last_live", py_last_live, METH_VARARGS, last_live_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "tokcache.store._speedups",
+    "Index probes and slot writes in C (_index.py is the reference).", -1, methods,
+};
+
+PyMODINIT_FUNC PyInit__speedups(void) {
+    const uint16_t one = 1;
+    if (*(const unsigned char *)&one != 1) {
+        PyErr_SetString(PyExc_ImportError, "tokcache.store._speedups assumes a little-endian host");
+        return NULL;
+    }
+    return PyModule_Create(&module);
+}
