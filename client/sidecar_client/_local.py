@@ -54,6 +54,11 @@ RECHECK_S = 1.0  # how often a mapping is checked against the name (replaced?) a
 WRITE_QUEUE = 256  # pending writes a process holds at most; more are dropped (counted)
 WAIT_RELATED_S = 0.05  # how long a request waits for its conversation's pending write
 INLINE_LOCK_S = 0.01  # how long a request storing its previous turn's write waits for the writer lock
+# The background writer looks for writes every tick while offers come (a process storing
+# its own previous turn inline leaves it nothing to do), and parks after this many empty
+# ticks: an idle process's write lands within a tick, a busy one's offers wake nothing.
+WRITER_TICK_S = 0.02
+WRITER_PARK_TICKS = 50
 # A read whose uncached tail is shorter than this many UTF-8 bytes stores nothing: the next
 # turn re-encodes those bytes instead (~6 µs per KB with fastokens here), which costs less
 # than a write (~50-150 µs of this process's CPU and a writer-lock round). Measured in
@@ -129,13 +134,16 @@ class WriteBehind:
         self._learn = learn
         self._stats = stats
         self._bound = bound
-        # Guards _items (offered and not yet done, in offer order; their states), _thread
-        # and _closed; _cond is notified when an item is offered or done.
+        # Guards _items (offered and not yet done, in offer order; their states), _busy,
+        # _thread, _parked and _closed. _done is notified when a store ends (waiters for a
+        # write); _work wakes the background thread, only when it is parked.
         self._lock = threading.Lock()
-        self._cond = threading.Condition(self._lock)
+        self._done = threading.Condition(self._lock)
+        self._work = threading.Condition(self._lock)
         self._items: list[_Pending] = []
         self._busy = False  # a write is being stored (by any thread): one at a time
         self._thread: threading.Thread | None = None
+        self._parked = False  # the thread waits for an offer (else it looks every WRITER_TICK_S)
         self._closed = False
 
     @property
@@ -158,8 +166,11 @@ class WriteBehind:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="tokcache-write-behind", daemon=True)
                 self._thread.start()
-            else:
-                self._cond.notify_all()
+            elif self._parked:
+                # Woken only from a park: while offers keep coming the thread looks on its
+                # own every WRITER_TICK_S, and an offer costs no wake-up (a futex call and
+                # a GIL hand-off inside the caller's request).
+                self._work.notify()
         return True
 
     def skip(self) -> None:
@@ -175,7 +186,7 @@ class WriteBehind:
         if got is False:
             return False
         with self._lock:
-            return self._cond.wait_for(lambda: not self._items, _left(deadline))
+            return self._done.wait_for(lambda: not self._items, _left(deadline))
 
     def settle_related(self, text: str, timeout: float) -> bool:
         """Read your writes: store now, in this thread, the pending writes whose text is a
@@ -204,7 +215,7 @@ class WriteBehind:
                     break
                 if item is None and (text is None or not any(text.startswith(i.text) for i in self._items)):
                     return None
-                if not self._cond.wait(_left(deadline)):
+                if not self._done.wait(_left(deadline)):
                     return False
             item.state = 1
             self._busy = True
@@ -214,15 +225,26 @@ class WriteBehind:
         return True
 
     def _run(self) -> None:
+        idle = 0
         while True:
             with self._lock:
-                while not self._closed and (self._busy or not any(i.state == 0 for i in self._items)):
-                    self._cond.wait()
-                item = next((i for i in self._items if i.state == 0), None)
-                if item is None:  # closed, nothing left
-                    return
+                while True:
+                    item = None if self._busy else next((i for i in self._items if i.state == 0), None)
+                    if item is not None:
+                        break
+                    if self._closed:
+                        return
+                    if idle >= WRITER_PARK_TICKS:  # nothing for a while: sleep until an offer
+                        self._parked = True
+                        self._work.wait()
+                        self._parked = False
+                        idle = 0
+                    else:
+                        self._work.wait(WRITER_TICK_S)
+                        idle += 1
                 item.state = 1
                 self._busy = True
+            idle = 0
             self._store_one(item)
 
     def _store_one(self, item: _Pending, lock_timeout: float | None = None) -> None:
@@ -242,7 +264,7 @@ class WriteBehind:
                     self._items.remove(item)
                 else:
                     item.state = 0
-                self._cond.notify_all()
+                self._done.notify_all()
 
     def _write(self, write: PendingWrite[Chunks], text: str, salt: str, mode: str,
                lock_timeout: float | None) -> bool:
@@ -275,7 +297,7 @@ class WriteBehind:
         self.flush(timeout)
         with self._lock:
             self._closed = True
-            self._cond.notify_all()
+            self._work.notify_all()
         if thread is not None:
             thread.join(timeout)
 
@@ -316,6 +338,7 @@ class LocalModel:
         self.reader = reader
         self.model = model
         self.fingerprint = model.fingerprint
+        self.backend = model.encoder.name
         self.memo = memo
         self.lookup: Lookup[Chunks, list[int]] = Lookup(model, reader, memo, limits)
         self.writer = writer
@@ -392,20 +415,18 @@ class LocalModel:
                 self._stale = self.reader.replaced or self.reader.manifest() != self._manifest_raw
         return self._stale
 
-    def tokenize(self, text: str, *, add_special_tokens: bool, salt: str,
-                 mode: str) -> Result[Chunks, list[int]] | None:
-        """Ids of ``text`` decided in this process, or None when the mapping is stale.
+    def tokenize(self, text: str, *, add_special_tokens: bool, salt: str, mode: str) -> Result[Chunks, list[int]]:
+        """Ids of ``text`` decided in this process (the caller checked :attr:`stale` first).
 
         Raises the engine's InvalidRequest / RequestTooLarge for bad input, like the RPC, and
         TierNeeded (before encoding) when the sidecar has a cluster tier and no recorded output
         applies here: only the sidecar can ask the tier, so the request is for it.
         The learned entries are queued for the write-behind before returning.
         """
-        if self.stale:
-            return None
         # The previous turn's entries may still be on their way to the segment: a request
         # that extends it stores them first (~0.1 ms of work) rather than missing them.
-        self.writer.settle_related(text, WAIT_RELATED_S)
+        if not self.writer.idle:
+            self.writer.settle_related(text, WAIT_RELATED_S)
         result = self.lookup.tokenize(text, add_special_tokens=add_special_tokens, salt=salt, mode=mode,
                                       tier=self.tier)
         write = result.write
@@ -543,15 +564,18 @@ class LocalPaths:
 
         Bad input raises the client's typed errors, as the RPC would.
         """
-        local = self.get(model)
-        if local is None:
-            self.count_fallback(model)
-            return None
-        mode = mode or self.default_mode(model)
+        # The request path: one dict lookup and one staleness check before the lookup itself
+        # (each call layer costs microseconds when a busy process's caches are cold).
+        local = self._models.get(model)
+        if local is None or local.stale:
+            local = self.get(model)
+            if local is None:
+                self.count_fallback(model)
+                return None
         t0 = time.perf_counter_ns()
         try:
-            result = local.tokenize(text, add_special_tokens=True if add_special_tokens is None else add_special_tokens,
-                                    salt=cache_salt or "", mode=mode)
+            result = local.tokenize(text, add_special_tokens=add_special_tokens is not False,
+                                    salt=cache_salt or "", mode=mode or self.default_mode(model))
         except InvalidRequest as exc:
             raise InvalidArgumentError(str(exc), field=exc.field) from exc
         except RequestTooLarge as exc:
@@ -559,17 +583,13 @@ class LocalPaths:
         except TierNeeded:  # a conversation that may come from another node: the sidecar asks the tier
             self.stats.fallbacks["tier"] += 1
             return None
-        if result is None:  # stale mapping: the next request maps the new segment
-            self.stats.fallbacks["stale"] += 1
-            return None
         d = result.decision
         self.stats.tokenize[d.source] += 1
-        decision = CacheDecision(source=d.source, cached_tokens=d.cached_tokens, cached_chars=d.cached_chars,
-                                 encoded_chars=d.encoded_chars, ar_spliced_tokens=d.ar_spliced_tokens,
-                                 boundaries=d.boundaries, l1_disabled_reason=d.l1_disabled_reason)
-        out = TokenizeResult(token_ids=result.ids, fingerprint=local.fingerprint, decision=decision,
-                             backend=local.model.encoder.name, served_by="local")
-        trace_local(model, local.fingerprint, out, mode, bool(cache_salt), t0, trace)
+        out = TokenizeResult(result.ids, local.fingerprint,
+                             CacheDecision(d.source, d.cached_tokens, d.cached_chars, d.encoded_chars,
+                                           d.ar_spliced_tokens, d.boundaries, d.l1_disabled_reason),
+                             local.backend, None, "local")
+        trace_local(model, local.fingerprint, out, mode or self.default_mode(model), bool(cache_salt), t0, trace)
         return out
 
     def _fallback(self, model: str, reason: str, message: str) -> None:
