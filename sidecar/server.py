@@ -452,6 +452,12 @@ class Sidecar:
             return
         self._closed = True
         if self.server is not None:
+            # Streams waiting for a request end with OK first: server.stop would cancel their
+            # handlers, and gRPC logs each as a CancelledError traceback (a client's stream
+            # opened while the models loaded, then the load failed).
+            self.service.draining = True
+            if self.service.end_streams():
+                await asyncio.sleep(0)
             await self.server.stop(grace)
             self.server = None
         self.metrics.close()

@@ -209,11 +209,11 @@ class WriteBehind:
         order offered, whoever stores them (each chains to the one before)."""
         with self._lock:
             while True:
-                item = next((i for i in self._items if i.state == 0 and (text is None or text.startswith(i.text))),
-                            None)
+                related = self._items if text is None else [i for i in self._items if text.startswith(i.text)]
+                item = next((i for i in related if i.state == 0), None)
                 if item is not None and not self._busy:
                     break
-                if item is None and (text is None or not any(text.startswith(i.text) for i in self._items)):
+                if not related:
                     return None
                 if not self._done.wait(_left(deadline)):
                     return False

@@ -29,7 +29,7 @@ from tokcache.sidecar.engine.render import ChatRenderer
 from tokcache.sidecar.engine.tokenbytes import TokenBytes
 from tokcache.sidecar.tier import decode_value
 from tokcache.store import Kind, Store, StoreError
-from tokcache.store.keys import MODE_KV_STABLE, KeyStream, l0_key, segment_key
+from tokcache.store.keys import KEY_GRID, MODE_KV_STABLE, KeyStream, l0_key, segment_key
 
 log = logging.getLogger(__name__)
 
@@ -75,14 +75,15 @@ class ModelEngine:
     """Everything needed to serve one tokenizer; thread-safe after construction."""
 
     def __init__(self, name: str, path: Path, *, store: Store | None,
-                 limits: Limits | None = None, backends: tuple[str, ...] = ("fastokens", "tokenizers")) -> None:
+                 limits: Limits | None = None, backends: tuple[str, ...] = ("fastokens", "tokenizers"),
+                 key_grid: int = KEY_GRID) -> None:
         self.name = name
         self.path = path
         tokenizer_json = path / "tokenizer.json"
         if not tokenizer_json.is_file():
             raise FileNotFoundError(f"model {name!r}: {tokenizer_json} not found")
         self.tokenizer_json = tokenizer_json
-        self.proven: Proven = prove(tokenizer_json, backends=backends)
+        self.proven: Proven = prove(tokenizer_json, backends=backends, key_grid=key_grid)
         model = self.proven.model
         self.fingerprint = model.fingerprint
         self.encoder = model.encoder

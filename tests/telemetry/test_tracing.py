@@ -28,7 +28,8 @@ TRACEPARENT = f"00-{TRACE_ID}-{PARENT_ID}-01"
 
 @pytest.fixture(scope="module")
 def engine(qwen3_path: Path) -> Iterator[ModelEngine]:
-    eng = ModelEngine("qwen3", qwen3_path, store=None)
+    # Every cut keyed: the spans below name the decision of each turn of a short chat.
+    eng = ModelEngine("qwen3", qwen3_path, store=None, key_grid=0)
     eng.store = Store.open(prefix=f"tkt-trace-{uuid.uuid4().hex[:8]}", fingerprint=eng.fingerprint, size=16 << 20)
     yield eng
     eng.store.unlink()

@@ -148,12 +148,12 @@ _Trie = dict[int | None, "_Trie"]
 
 @dataclass(slots=True)
 class Encoded:
-    """The canonical ids of a text from byte ``start`` on (no recorded output spliced), and
-    how many of them come before its last stable cut (None: not found yet, -1: not cheaply)."""
+    """The canonical ids of a text from byte ``start`` (a cut) on, no recorded output spliced,
+    and where its keyed cuts and last stable cut fall in them (byte offset -> tokens before it)."""
 
     start: int
     ids: list[int]
-    stable_tokens: int | None = None
+    cut_tokens: dict[int, int]
 
 
 @dataclass(slots=True)

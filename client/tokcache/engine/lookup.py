@@ -27,6 +27,7 @@ key or nothing.
 from __future__ import annotations
 
 import time
+from bisect import bisect_left
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, Protocol
@@ -39,7 +40,7 @@ from tokcache.engine.ids import IdFormat, Ids, Out
 from tokcache.engine.memo import ChainMemo
 from tokcache.ids import pack_ids, unpack_ids
 from tokcache.store import Kind, Known, RecordRef, StoreError, Walk
-from tokcache.store.keys import MODE_EXACT, MODE_KV_STABLE, TextKeys, segment_key
+from tokcache.store.keys import KEY_GRID, MODE_EXACT, MODE_KV_STABLE, TextKeys, segment_key
 
 __all__ = [
     "CacheView",
@@ -54,20 +55,17 @@ __all__ = [
     "utf8",
 ]
 
-# The longest-prefix search probes the last this many cuts first (one native call), then
-# gallops below them. A turn adds ~4-12 cuts, and a client stores a turn's entries only
-# once its uncached tail is long enough (MIN_WRITE_BYTES in the client), so the last
-# stored cut is usually a few turns back: within this window. Only the cuts a text
-# appended are hashed for it (the others' keys come from the text it extends). Also how
-# many shorter cuts are tried when a winner's chain is broken.
+# The longest-prefix search probes the last this many keyed cuts first (one native call;
+# a keyed cut per ~2 KB, see tokcache.store.keys.KEY_GRID: the window spans ~128 KB), then
+# gallops below them. Only the cuts a text appended are hashed for it (the others' keys
+# come from the text it extends). Also how many shorter keyed cuts are tried when a
+# winner's chain is broken.
 TAIL_PROBES = 64
 # Segment AR: pieces shorter than this are not looked up; a recorded output
 # may start after at most this many leading newlines of a piece (role headers).
 MIN_SEGMENT_BYTES = 4
 _SEGMENT_HEADER_BYTES = 64
 _SEGMENT_MAX_STARTS = 3
-# Tokens searched back from a tail's end for its last stable cut (see _through_last_stable).
-_TOKENS_AFTER_CUT = 256
 
 
 def utf8(text: str, field: str = "text") -> bytes:
@@ -98,12 +96,12 @@ class CacheView(Protocol):
 
 
 class TierNeeded(Exception):  # a signal to the caller, not an error
-    """Raised by ``tokenize(..., tier=True)`` before encoding: no recorded output applies to
-    this kv-stable request here (no prefix AR hit, no segment splice), and pieces of its tail
-    could be outputs recorded on another node.
+    """Raised by ``tokenize(..., tier=True)`` before encoding: no recorded output ends where
+    this kv-stable request's cached prefix does (no prefix AR hit), and pieces of its tail
+    after the last one a local record applies to could be outputs recorded on another node.
 
-    ``candidates``: (segment key, piece text as UTF-8) for each piece start the tail encoder
-    would look up. The caller (the sidecar) asks its cluster tier for them, verifies and
+    ``candidates``: (segment key, piece text as UTF-8) for each of those pieces' starts the
+    tail encoder would look up. The caller (the sidecar) asks its cluster tier for them, verifies and
     stores what it gets, and calls again without ``tier``; a client that cannot ask the
     tier sends the request to the sidecar instead.
     """
@@ -137,6 +135,8 @@ class ReadModel:
     # The same, by each token's UTF-8 text: where a cut falls in a tail's ids is found
     # from the spans' texts (list.index), not by testing every id.
     boundary_id_of: Mapping[bytes, int] = field(default_factory=dict)
+    # Which cuts carry an L1 key (tokcache.store.keys.KEY_GRID; the segment's manifest says).
+    key_grid: int = KEY_GRID
 
 
 @dataclass
@@ -168,7 +168,7 @@ class PendingWrite(Generic[Ids]):
     """The cache entries a lookup learned, to be stored after the reply.
 
     One record: ``ids`` (the tail's ids) continuing ``parent``'s
-    ``parent_tokens`` tokens, with the L1 keys of cuts ``first_new..n-1`` (``ends``: the
+    ``parent_tokens`` tokens, with the L1 keys of the keyed cuts among ``first_new..n-1`` (``ends``: the
     tokens of ``ids`` up to each) and the L0 key of the whole text. ``full`` holds the
     whole text's raw ids (the container a memo may keep once the record exists).
     """
@@ -183,6 +183,8 @@ class PendingWrite(Generic[Ids]):
     full: Ids
     decision: Decision
     boundary_id_of: Mapping[bytes, int] = field(default_factory=dict)
+    # Where cuts fall in ``ids`` (byte offset -> tokens before it), when its encoding says.
+    cut_tokens: dict[int, int] | None = None
 
     def entries(self) -> list[tuple[bytes, int] | tuple[bytes, int, Kind]]:
         """(key, ids used) per new cut, and the L0 key (its own kind: ``--ttl-l0`` applies).
@@ -190,13 +192,19 @@ class PendingWrite(Generic[Ids]):
         Runs on the write path (after the reply): computing the cut keys and where each
         cut falls in ``ids`` costs nothing on the request path.
         """
-        ends = self.ends
-        if ends is None:
-            ends = self._cut_ends()
+        keys, keyed, first, spans = self.keys, self.keys.keyed, self.first_new, self.keys.spans
         out: list[tuple[bytes, int] | tuple[bytes, int, Kind]] = []
-        if len(ends) == self.n_cuts - self.first_new + 1:  # else only the L0 key (cannot happen)
-            self.keys.fill(self.first_new, self.n_cuts)
-            out += [(self.keys.key(i), ends[k]) for k, i in enumerate(range(self.first_new, self.n_cuts))]
+        new = range(bisect_left(keyed, first), len(keyed))
+        at = self.cut_tokens
+        if at is not None and all(spans[keyed[p]][1] in at for p in new):
+            # Where the keyed cuts fall in the tail's ids is known from its encoding.
+            out += [(keys.key_at(p), at[spans[keyed[p]][1]]) for p in new]
+        else:
+            ends = self.ends
+            if ends is None:
+                ends = self._cut_ends()
+            if len(ends) == self.n_cuts - first + 1:  # else only the L0 key (cannot happen)
+                out += [(keys.key_at(p), ends[keyed[p] - first]) for p in new if keyed[p] < self.n_cuts]
         out.append((self.keys.exact_key(), len(self.ids), Kind.L0))
         return out
 
@@ -313,10 +321,12 @@ class Lookup(Generic[Ids, Out]):
         decision.boundaries = len(spans)
         # Hash only what was appended to a text hashed before (same namespace).
         ns = (salt, tag)
-        keys = TextKeys(data, spans, salt, tag, scan.base.hashers.get(ns) if scan.base is not None else None)
+        keys = TextKeys(data, spans, salt, tag, scan.base.hashers.get(ns) if scan.base is not None else None,
+                        grid=self.model.key_grid)
         store, ar = self._usable_store(tag, decision)
-        # One hashing pass: the L1 keys of the last cuts, the AR keys between them, the L0 key.
-        keys.scan_tail(len(spans) - TAIL_PROBES, ar=ar, keep=scan.stable)
+        # One hashing pass: the L1 keys of the last keyed cuts, the L0 key (AR keys, if any
+        # can apply, once the L1 hit is known: only past it).
+        keys.scan_tail(len(keys.keyed) - TAIL_PROBES, keep=scan.stable)
         state = keys.state()
         if state is not None:
             scan.hashers[ns] = state
@@ -334,7 +344,7 @@ class Lookup(Generic[Ids, Out]):
         # whose last output was recorded on this node needs nothing from elsewhere.
         ask = tier and store is not None and tag == MODE_KV_STABLE and decision.source != "ar"
         tail_text = data[hit.start:].decode("utf-8") if hit.start else (scan.text or data.decode("utf-8"))
-        tail = self._encode_tail(store if ar else None, scan, tail_text, hit, salt, tag, ask)
+        tail = self._encode_tail(store if ar else None, scan, keys.keyed, tail_text, hit, salt, tag, ask)
         decision.timings["encode"] = (t1, time.perf_counter_ns())
         if tail.spliced:
             decision.segment_splices = tail.spliced
@@ -352,35 +362,41 @@ class Lookup(Generic[Ids, Out]):
         n_full = hit.tokens + len(tail.ids)
         write = None
         if store is not None:
+            enc = scan.encoded
             write = PendingWrite(hit.parent, hit.tokens, tail.ids, keys, hit.first_new, len(spans), tail.ends, full,
-                                 decision, self.model.boundary_id_of)
+                                 decision, self.model.boundary_id_of,
+                                 enc.cut_tokens if enc is not None and enc.ids is tail.ids else None)
         return Result(self.fmt.result(full, n_full, prefix, suffix), decision, write)
 
-    def _canonical_tail(self, scan: Scan, tail_text: str, start: int) -> list[int]:
+    def _canonical_tail(self, scan: Scan, keyed: list[int], tail_text: str, start: int) -> list[int]:
         """The canonical ids of ``tail_text`` (``scan.data[start:]``), reusing what this
-        process encoded for the text ``scan`` extends from the same ``start``: its ids up to
-        its last stable cut, a safe boundary, so the two parts concatenate exactly.
+        process encoded for the text ``scan`` extends: its ids from ``start`` (a cut within
+        what it encoded) up to its last stable cut — safe boundaries, so the parts
+        concatenate exactly — then only the text after that cut is encoded.
 
-        Between two stored turns a conversation's hit stays at the last stored cut: this
-        makes each turn encode only what it appended, however long the uncached tail.
-        Only for tails encoded without splices (nothing recorded applies), whose ids
-        depend on the text alone.
+        A conversation's hit stays at, or moves a few keyed cuts past, the last stored
+        keyed cut while this process serves it: each turn encodes only what it appended,
+        however long the uncached tail. Only for tails encoded without splices (nothing
+        recorded applies), whose ids depend on the text alone. Records where the keyed
+        cuts and the last stable cut fall in the ids (for the next turn, and this turn's
+        write).
         """
         encoder = self.model.encoder
+        id_of = self.model.boundary_id_of
+        data = scan.data
         base = scan.base
         memo = base.encoded if base is not None else None
-        if memo is not None and memo.start == start and base is not None and base.stable:
+        if memo is not None and base is not None and base.stable and memo.start <= start:
             cut = base.spans[base.stable - 1][1]
-            if start < cut:
-                if memo.stable_tokens is None:
-                    memo.stable_tokens = _through_last_stable(base, memo.ids, self.model.boundary_id_of) or -1
-                if memo.stable_tokens > 0:
-                    ids = memo.ids[:memo.stable_tokens]
-                    ids += encoder.encode(scan.data[cut:].decode("utf-8"))
-                    scan.encoded = Encoded(start, ids)
-                    return ids
+            lo, hi = memo.cut_tokens.get(start), memo.cut_tokens.get(cut)
+            if start < cut and lo is not None and hi is not None:
+                ids = memo.ids[lo:hi]
+                ids += encoder.encode(data[cut:].decode("utf-8"))
+                at = {c: t - lo for c, t in memo.cut_tokens.items() if c >= start}
+                scan.encoded = Encoded(start, ids, _cut_tokens(scan, keyed, ids, id_of, cut, hi - lo, at))
+                return ids
         ids = encoder.encode(tail_text)
-        scan.encoded = Encoded(start, ids)
+        scan.encoded = Encoded(start, ids, _cut_tokens(scan, keyed, ids, id_of, start, 0, {start: 0}))
         return ids
 
     # -- step 1: the hit -----------------------------------------------------------------
@@ -432,9 +448,11 @@ class Lookup(Generic[Ids, Out]):
             if exact is not None:
                 decision.source = "l0"
                 return _Hit(exact[0], exact[1], -1, None, n, exact=True)
-            j, ids, tokens = self._longest(store, keys, n)
+            p, ids, tokens = self._longest(store, keys)
+            j = keys.keyed[p] if p >= 0 else -1  # the cut index
             decision.l1_hit = j >= 0
-            hit: _Hit[Ids] = _Hit(ids, tokens, spans[j][1] if j >= 0 else 0, keys.key(j) if j >= 0 else None, j + 1)
+            hit: _Hit[Ids] = _Hit(ids, tokens, spans[j][1] if j >= 0 else 0, keys.key_at(p) if p >= 0 else None,
+                                  j + 1)
             if j >= 0:
                 decision.source = "l1"
             if ar:
@@ -459,16 +477,18 @@ class Lookup(Generic[Ids, Out]):
             decision.store_errors += 1
             return _Hit(None, 0, 0, None, 0)
 
-    def _longest(self, store: CacheView, keys: TextKeys, n: int) -> tuple[int, Ids | None, int]:
-        """(cut index, container, tokens) of the longest cut whose prefix is cached, or (-1, None, 0).
+    def _longest(self, store: CacheView, keys: TextKeys) -> tuple[int, Ids | None, int]:
+        """(keyed position, container, tokens) of the longest keyed cut whose prefix is
+        cached, or (-1, None, 0).
 
-        The last TAIL_PROBES cuts are probed from the end down in one store call (a turn
-        adds ~4-12 cuts: the present one is among them). If none is present, the cuts
-        before them are searched by galloping back with index-only probes and
-        binary-searching the bracket (a rewritten history). Only the winner's chain is
-        read; a winner whose chain turns out broken is skipped for the next shorter
-        present cut. Deterministic in the segment's contents.
+        The last TAIL_PROBES keyed cuts are probed from the end down in one store call (a
+        conversation's previous turn is among them). If none is present, the ones before
+        are searched by galloping back with index-only probes and binary-searching the
+        bracket (a rewritten history). Only the winner's chain is read; a winner whose
+        chain turns out broken is skipped for the next shorter present cut.
+        Deterministic in the segment's contents.
         """
+        n = len(keys.keyed)
         window = max(0, n - TAIL_PROBES)
         keys.fill(window, n)
         lo = store.last_present(keys.keys, window, n)
@@ -476,34 +496,34 @@ class Lookup(Generic[Ids, Out]):
             lo = self._gallop(store, keys, window)
         if lo < 0:
             return -1, None, 0
-        for i in range(lo, max(-1, lo - TAIL_PROBES), -1):
-            found = self._read(store, keys.key(i))
+        for p in range(lo, max(-1, lo - TAIL_PROBES), -1):
+            found = self._read(store, keys.key_at(p))
             if found is not None:
-                return i, found[0], found[1]
+                return p, found[0], found[1]
         return -1, None, 0
 
     @staticmethod
     def _gallop(store: CacheView, keys: TextKeys, n: int) -> int:
-        """A present cut below ``n`` (probed n-1, n-2, n-4, ... then binary-searched), or -1."""
-        hi = n - 1  # highest index that may be present
+        """A present keyed position below ``n`` (probed n-1, n-2, n-4, ... then binary-searched), or -1."""
+        hi = n - 1  # highest position that may be present
         lo = -1  # known present (or -1)
         step = 1
         probe = n - 1
         while probe > lo:
-            if store.probe(keys.key(probe)):
+            if store.probe(keys.key_at(probe)):
                 lo = probe
                 break
             hi = probe - 1
             probe = n - 1 - step
             step *= 2
-        if lo < 0 and probe < 0 <= hi and store.probe(keys.key(0)):
+        if lo < 0 and probe < 0 <= hi and store.probe(keys.key_at(0)):
             lo = 0
         if lo < 0:
             return -1
-        # Present at lo, absent at every probed index above it: binary search (lo, hi].
+        # Present at lo, absent at every probed position above it: binary search (lo, hi].
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if store.probe(keys.key(mid)):
+            if store.probe(keys.key_at(mid)):
                 lo = mid
             else:
                 hi = mid - 1
@@ -511,8 +531,8 @@ class Lookup(Generic[Ids, Out]):
 
     # -- step 2: the tail ----------------------------------------------------------------
 
-    def _encode_tail(self, store: CacheView | None, scan: Scan, tail_text: str, hit: _Hit[Ids], salt: str,
-                     tag: bytes, tier: bool = False) -> _Tail:
+    def _encode_tail(self, store: CacheView | None, scan: Scan, keyed: list[int], tail_text: str, hit: _Hit[Ids],
+                     salt: str, tag: bytes, tier: bool = False) -> _Tail:
         """Encode ``data[hit.start:]`` piece by piece (body, boundary token), one native call;
         with a store, splice recorded outputs (segment AR).
 
@@ -525,7 +545,7 @@ class Lookup(Generic[Ids, Out]):
         if store is None and self.model.boundary_ids and not tier:
             # The cuts are safe boundaries, so the tail encodes in one call; where each
             # cut falls is found from the boundary ids on the write path, if ever needed.
-            return _Tail(self._canonical_tail(scan, tail_text, hit.start), None, 0)
+            return _Tail(self._canonical_tail(scan, keyed, tail_text, hit.start), None, 0)
         pieces: list[tuple[bytes, bytes]] = []
         a = hit.start
         for s_i, e_i in spans[hit.first_new:]:
@@ -545,14 +565,18 @@ class Lookup(Generic[Ids, Out]):
                     if found is not None and found.held is None:
                         splices[k] = (p, found.rest)
                         break
-        if tier and not splices:
-            candidates = [(segment_key(salt, tag, body[p:]), body[p:]) for body, _ in pieces
-                          if len(body) >= MIN_SEGMENT_BYTES for p in _segment_starts(body)]
+        if tier:
+            # The pieces after the last one a local record applies to may be outputs
+            # recorded on another node (a tail reaching back past a keyed cut can hold
+            # this node's older outputs before them).
+            last = max(splices, default=-1)
+            candidates = [(segment_key(salt, tag, body[p:]), body[p:]) for k, (body, _) in enumerate(pieces)
+                          if k > last and len(body) >= MIN_SEGMENT_BYTES for p in _segment_starts(body)]
             if candidates:
                 raise TierNeeded(candidates)
         if not splices:
             if self.model.boundary_ids:
-                return _Tail(self._canonical_tail(scan, tail_text, hit.start), None, 0)
+                return _Tail(self._canonical_tail(scan, keyed, tail_text, hit.start), None, 0)
             flat, ends = encoder.encode_pieces([(b + t).decode("utf-8") for b, t in pieces])
             return _Tail(flat, ends, 0)
         # Spliced pieces are encoded as two texts (header, token) around the recorded ids.
@@ -583,26 +607,29 @@ class Lookup(Generic[Ids, Out]):
         return _Tail(out, piece_ends, spliced)
 
 
-def _through_last_stable(scan: Scan, ids: list[int], id_of: Mapping[bytes, int]) -> int | None:
-    """Tokens of ``ids`` (the canonical ids of ``scan``'s text from some earlier cut on) up
-    to its last stable cut, found from the end: each boundary token encodes to its own id
-    once, and only a few tokens follow the last cut (a generation prompt). None when that
-    cannot be told cheaply."""
+def _cut_tokens(scan: Scan, keyed: list[int], ids: list[int], id_of: Mapping[bytes, int], start: int, pos: int,
+                at: dict[int, int]) -> dict[int, int]:
+    """``at`` completed with where the keyed cuts of ``scan``'s text after byte ``start`` (at
+    token ``pos`` of ``ids``) and its last stable cut fall in ``ids`` (byte offset -> tokens
+    before it). Each boundary token encodes to its own id once per occurrence, in order:
+    one list.index per cut walks there. On a surprise (it cannot happen) ``at`` stays as far
+    as it got, and a later lookup of a missing cut re-encodes."""
     spans, data = scan.spans, scan.data
-    k = len(ids)
-    for i in range(len(spans) - 1, scan.stable - 2, -1):
-        start, end = spans[i]
-        bid = id_of.get(data[start:end])
-        if bid is None:
-            return None
-        j = k - 1
-        stop = max(-1, k - _TOKENS_AFTER_CUT)
-        while j > stop and ids[j] != bid:
-            j -= 1
-        if j <= stop:
-            return None
-        k = j
-    return k + 1
+    last = scan.stable - 1
+    i = bisect_left(spans, (start, -1))
+    k = bisect_left(keyed, i)
+    try:
+        while i <= last:
+            s, e = spans[i]
+            pos = ids.index(id_of[data[s:e]], pos) + 1
+            if (k < len(keyed) and keyed[k] == i) or i == last:
+                at[e] = pos
+            if k < len(keyed) and keyed[k] <= i:
+                k += 1
+            i += 1
+    except (KeyError, ValueError):
+        pass
+    return at
 
 
 def commit(store: WriteView, memo: ChainMemo[Ids], write: PendingWrite[Ids], *,

@@ -28,6 +28,7 @@ from tokcache.engine.affixes import Affixes, detect_affixes
 from tokcache.engine.boundaries import BoundaryCheck, BoundaryScanner, added_tokens, check_boundaries
 from tokcache.engine.encoder import Encoder, EncoderChoice, choose_encoder, load_encoder
 from tokcache.engine.lookup import Limits, ReadModel
+from tokcache.store.keys import KEY_GRID
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +66,12 @@ class Proven:
     boundaries: BoundaryCheck
 
 
-def prove(tokenizer_json: Path, *, backends: tuple[str, ...] = ("fastokens", "tokenizers")) -> Proven:
-    """Load and check a tokenizer (the sidecar's job; seconds for big vocabularies)."""
+def prove(tokenizer_json: Path, *, backends: tuple[str, ...] = ("fastokens", "tokenizers"),
+          key_grid: int = KEY_GRID) -> Proven:
+    """Load and check a tokenizer (the sidecar's job; seconds for big vocabularies).
+
+    ``key_grid``: which cuts carry an L1 key (see ``tokcache.store.keys.KEY_GRID``), published
+    in the manifest for readers."""
     fingerprint = fingerprint_of(tokenizer_json)
     choice = choose_encoder(tokenizer_json, allow=backends)
     check = check_boundaries(tokenizer_json, choice.reference)
@@ -75,7 +80,7 @@ def prove(tokenizer_json: Path, *, backends: tuple[str, ...] = ("fastokens", "to
     vocab = int(choice.reference.tokenizer.get_vocab_size(with_added_tokens=True))
     id_of = _boundary_map(tokenizer_json, check.boundary_tokens)
     model = ReadModel(fingerprint, choice.encoder, scanner, affixes, check.disabled_reason, vocab,
-                      frozenset(id_of.values()), id_of)
+                      frozenset(id_of.values()), id_of, key_grid)
     return Proven(model, choice, check)
 
 
@@ -103,6 +108,9 @@ class Manifest:
     # The sidecar has a cluster tier for recorded outputs: a reader sends a kv-stable request
     # that no local AR applies to over RPC (the sidecar asks the tier; readers cannot).
     ar_tier: bool = False
+    # Which cuts carry an L1 key (tokcache.store.keys.KEY_GRID): a reader keys and probes the
+    # same ones the writers did. 0 (an older sidecar's manifest, which has none): every cut.
+    key_grid: int = 0
     tokcache: str = ""
     format: int = MANIFEST_FORMAT
 
@@ -126,7 +134,7 @@ class Manifest:
             affix_prefix=list(m.affixes.prefix), affix_suffix=list(m.affixes.suffix),
             affix_separable=m.affixes.separable, affix_reason=m.affixes.reason,
             max_text_bytes=limits.max_text_bytes, models=models, model_dirs=model_dirs,
-            tokcache=_version("tokcache"), ttl=dict(ttl or {}), ar_tier=ar_tier)
+            tokcache=_version("tokcache"), ttl=dict(ttl or {}), ar_tier=ar_tier, key_grid=m.key_grid)
 
     def to_bytes(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":"), sort_keys=True).encode("utf-8")
@@ -196,4 +204,4 @@ def from_manifest(tokenizer_json: Path, manifest: Manifest, *, encoder: Encoder 
                       manifest.affix_reason)
     id_of = {by_id[i].encode("utf-8"): i for lo, hi in manifest.boundary_ids for i in range(lo, hi + 1) if i in by_id}
     return ReadModel(fingerprint, encoder, scanner, affixes, manifest.l1_disabled_reason, manifest.vocab_size,
-                     frozenset(id_of.values()), id_of)
+                     frozenset(id_of.values()), id_of, manifest.key_grid)

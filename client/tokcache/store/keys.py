@@ -2,8 +2,8 @@
 
 A key is ``blake3(header || utf8(text[:cut]))`` truncated to 16 bytes, where
 the header binds the layer and tenant. One running hasher walks the text and
-is digested at every cut, so keying all ~160 boundaries of a 57 KB prompt
-hashes each byte once (``digest`` does not finalize a blake3 hasher).
+is digested at every keyed cut (KEY_GRID), so keying a 57 KB prompt hashes each
+byte once (``digest`` does not finalize a blake3 hasher).
 
 Keys do not name the model: a segment holds exactly one tokenizer
 fingerprint, and two model names with the same tokenizer share entries.
@@ -12,12 +12,13 @@ fingerprint, and two model names with the same tokenizer share entries.
 from __future__ import annotations
 
 import functools
+from bisect import bisect_right
 from typing import Any, NamedTuple
 
 from blake3 import blake3
 
-__all__ = ["CHECKPOINT_CUTS", "KEY_BYTES", "KeyState", "KeyStream", "MODE_EXACT", "MODE_KV_STABLE", "TextKeys",
-           "l0_key", "namespace", "root_hasher", "segment_key"]
+__all__ = ["CHECKPOINT_CUTS", "KEY_BYTES", "KEY_GRID", "KeyState", "KeyStream", "MODE_EXACT", "MODE_KV_STABLE",
+           "TextKeys", "extend_keyed", "l0_key", "namespace", "root_hasher", "segment_key"]
 
 KEY_BYTES = 16
 MODE_EXACT = b"C"  # canonical ids only
@@ -86,20 +87,46 @@ def segment_key(salt: str, mode: bytes, text: bytes) -> bytes:
     return h.digest(KEY_BYTES)
 
 
+# Which cuts carry an L1 key: the first cut, and the first cut ending in each KEY_GRID-byte
+# block of the text after it. A cut's status depends only on itself and the cut before it
+# (a prefix property: every text sharing the prefix keys the same cuts), so a writer and
+# every later reader agree. One key per ~2 KB instead of one per boundary token (~12 per
+# 2 KB of agent chat): a request hashes and probes a key or two for what it appended, a
+# record carries a few entries, and the L1 hit is at most a block before the longest cut
+# (a process re-encodes none of that: Lookup's canonical tail; another one re-encodes
+# ≤ 2 KB). 0 keys every cut.
+KEY_GRID = 2048
+
+
+def extend_keyed(spans: list[tuple[int, int]], grid: int, start: int, keyed: list[int]) -> None:
+    """Append to ``keyed`` the indices ``i >= start`` of the cuts of ``spans`` that carry a key."""
+    prev_block = spans[start - 1][1] // grid if start > 0 and grid else -1
+    for i in range(start, len(spans)):
+        if not grid:
+            keyed.append(i)
+            continue
+        block = spans[i][1] // grid
+        if block != prev_block:
+            keyed.append(i)
+            prev_block = block
+
+
 class KeyState(NamedTuple):
     """Where hashing one text stopped, for a text that extends it (``TextKeys(resume=...)``).
 
     ``hasher`` was fed the namespace header and ``data[:spans[cut][1]]`` and is never
-    updated again (a user copies it); ``l1`` and ``ar`` hold the L1 and AR keys that text
-    computed, by cut index (None where not computed): only those at cuts ``<= cut`` are
-    meant (the text's own lists, shared, not copied). Valid for any text whose first
-    ``cut + 1`` boundary spans, and the bytes before the end of span ``cut``, are the same.
+    updated again (a user copies it). ``keyed`` are that text's keyed cut indices and
+    ``l1`` their keys by position in ``keyed`` (None where not computed); ``ar`` its AR keys
+    by cut index. Only entries at cuts ``<= cut`` are meant (the text's own lists, shared,
+    not copied). Valid for any text whose first ``cut + 1`` boundary spans, and the bytes
+    before the end of span ``cut``, are the same.
     """
 
     cut: int
     hasher: Any
     l1: list[bytes | None]
     ar: list[bytes | None]
+    keyed: list[int]
 
 
 # Random access below the keys a request hashes anyway (the longest-prefix search after a
@@ -115,43 +142,80 @@ def root_hasher(salt: str, mode: bytes) -> Any:  # noqa: ANN401 - blake3's hashe
 
 
 class TextKeys:
-    """Keys of one text at its boundaries, computed lazily and only where needed.
+    """Keys of one text at its keyed cuts, computed lazily and only where needed.
 
-    Hashing is the cost that scales with the text: a 57 KB prompt has ~300
-    cuts, and an update + digest at each is ~200 µs in Python, while one
-    blake3 pass over all of it is ~14 µs. A growing conversation needs keys at
-    its last few cuts only (the lookup probes them; the new ones are stored),
-    so :meth:`scan_tail` fills those, the AR keys at the boundary starts
-    between them and the whole-text key in one running pass; any other key
-    is hashed from the nearest state this object holds.
+    Hashing is the cost that scales with the text: a 57 KB prompt has ~300 boundaries,
+    ~30 of them keyed (see KEY_GRID), and one blake3 pass over all of it is ~14 µs while
+    each digest is a call. A growing conversation needs keys at its last keyed cuts only
+    (the lookup probes them; the new ones are stored), so :meth:`scan_tail` fills those and
+    the whole-text key in one running pass; any other key is hashed from the nearest state
+    this object holds.
 
-    ``resume`` (a :class:`KeyState` of a text this one extends) makes the keys it holds
-    free and starts hashing at its cut: a turn hashes only what it appended.
-    ``spans`` are the (start, end) offsets of the boundary tokens: the L1 key
-    of boundary ``i`` covers ``data[:end]``, its AR key ``data[:start]``.
+    L1 keys are addressed by *position* in :attr:`keyed` (the keyed cut indices, ascending);
+    AR keys by cut index (every boundary start may end a recorded output). ``resume`` (a
+    :class:`KeyState` of a text this one extends) makes the keys it holds free and starts
+    hashing at its cut: a turn hashes only what it appended. ``spans`` are the (start, end)
+    offsets of the boundary tokens: the L1 key of cut ``i`` covers ``data[:end]``, its AR key
+    ``data[:start]``.
     """
 
-    __slots__ = ("_root", "_data", "_spans", "_keys", "_ar_keys", "_exact", "_resume", "_marks", "_state")
+    __slots__ = ("_root", "_data", "_spans", "_keyed", "_keys", "_ar_keys", "_exact", "_resume", "_marks",
+                 "_state")
+
+    def __init__(self, data: bytes, spans: list[tuple[int, int]], salt: str, mode: bytes,
+                 resume: KeyState | None = None, *, grid: int = KEY_GRID) -> None:
+        self._root = root_hasher(salt, mode)
+        self._data = data
+        self._spans = spans
+        n = len(spans)
+        ok = resume is not None and resume.cut < n and spans[resume.cut][1] <= len(data)
+        r = self._resume = resume if ok else None
+        if r is not None:
+            p = bisect_right(r.keyed, r.cut)
+            keyed = r.keyed[:p]
+            keys: list[bytes | None] = r.l1[:p]
+            extend_keyed(spans, grid, r.cut + 1, keyed)
+            keys += [None] * (len(keyed) - p)
+        else:
+            keyed = []
+            extend_keyed(spans, grid, 0, keyed)
+            keys = [None] * len(keyed)
+        self._keyed = keyed
+        self._keys = keys
+        self._ar_keys: list[bytes | None] = [None] * n
+        self._exact: bytes | None = None
+        # Hasher states (offset, hasher) by ascending offset, beside the resume point.
+        self._marks: list[tuple[int, Any]] = []
+        self._state: KeyState | None = None
 
     @property
     def data(self) -> bytes:
         """The text the keys are of (UTF-8)."""
         return self._data
 
-    def __init__(self, data: bytes, spans: list[tuple[int, int]], salt: str, mode: bytes,
-                 resume: KeyState | None = None) -> None:
-        self._root = root_hasher(salt, mode)
-        self._data = data
-        self._spans = spans
-        n = len(spans)
-        self._keys: list[bytes | None] = [None] * n
-        self._ar_keys: list[bytes | None] = [None] * n
-        self._exact: bytes | None = None
-        ok = resume is not None and resume.cut < n and spans[resume.cut][1] <= len(data)
-        self._resume = resume if ok else None
-        # Hasher states (offset, hasher) by ascending offset, beside the resume point.
-        self._marks: list[tuple[int, Any]] = []
-        self._state: KeyState | None = None
+    @property
+    def spans(self) -> list[tuple[int, int]]:
+        """The boundary spans the keys are at."""
+        return self._spans
+
+    @property
+    def keyed(self) -> list[int]:
+        """The indices of the cuts that carry an L1 key, ascending (see KEY_GRID)."""
+        return self._keyed
+
+    @property
+    def keys(self) -> list[bytes]:
+        """The L1 keys by position in :attr:`keyed`; only the ones computed are set."""
+        return self._keys  # type: ignore[return-value]
+
+    @property
+    def ar_keys(self) -> list[bytes]:
+        """The AR keys by cut index; only the ones computed are set (see :meth:`fill_ar`)."""
+        return self._ar_keys  # type: ignore[return-value]
+
+    def state(self) -> KeyState | None:
+        """Where :meth:`scan_tail` left the last cut a longer text keeps (for ``resume``)."""
+        return self._state
 
     def _hasher_at(self, offset: int) -> Any:  # noqa: ANN401 - blake3's hasher type is untyped
         """A (new) hasher fed the namespace header and ``data[:offset]``, from the nearest
@@ -170,25 +234,6 @@ class TextKeys:
             h.update(memoryview(self._data)[start:offset])
         return h
 
-    @property
-    def spans(self) -> list[tuple[int, int]]:
-        """The boundary spans the keys are at."""
-        return self._spans
-
-    @property
-    def keys(self) -> list[bytes]:
-        """The L1 keys by boundary index; only the ones computed are set (see :meth:`fill`)."""
-        return self._keys  # type: ignore[return-value]
-
-    @property
-    def ar_keys(self) -> list[bytes]:
-        """The AR keys by boundary index; only the ones computed are set (see :meth:`fill_ar`)."""
-        return self._ar_keys  # type: ignore[return-value]
-
-    def state(self) -> KeyState | None:
-        """Where :meth:`scan_tail` left the last cut a longer text keeps (for ``resume``)."""
-        return self._state
-
     def exact_key(self) -> bytes:
         """The L0 key of the whole text."""
         if self._exact is None:
@@ -197,17 +242,13 @@ class TextKeys:
             self._exact = h.digest(KEY_BYTES)
         return self._exact
 
-    def key(self, i: int) -> bytes:
-        """The L1 key of ``data[:spans[i][1]]``."""
-        k = self._keys[i]
+    def key_at(self, pos: int) -> bytes:
+        """The L1 key of the keyed cut at position ``pos`` (``data[:spans[keyed[pos]][1]]``)."""
+        k = self._keys[pos]
         if k is None:
-            r = self._resume
-            if r is not None and i <= r.cut:
-                k = r.l1[i]
-            if k is None:
-                self._checkpoint(i)
-                k = self._hasher_at(self._spans[i][1]).digest(KEY_BYTES)
-            self._keys[i] = k
+            end = self._spans[self._keyed[pos]][1]
+            self._checkpoint(end)
+            k = self._keys[pos] = self._hasher_at(end).digest(KEY_BYTES)
         return k
 
     def ar_key(self, i: int) -> bytes:
@@ -218,18 +259,18 @@ class TextKeys:
             if r is not None and i <= r.cut:
                 k = r.ar[i]
             if k is None:
-                self._checkpoint(i)
-                h = self._hasher_at(self._spans[i][0])
+                start = self._spans[i][0]
+                self._checkpoint(start)
+                h = self._hasher_at(start)
                 h.update(_AR_SUFFIX)
                 k = h.digest(KEY_BYTES)
             self._ar_keys[i] = k
         return k
 
-    def _checkpoint(self, i: int) -> None:
+    def _checkpoint(self, offset: int) -> None:
         """Before hashing a key far below every state held: one pass keeping a hasher every
         CHECKPOINT_CUTS cuts up to the lowest state (a gallop then costs short hashes)."""
         spans = self._spans
-        offset = spans[i][1]
         low = spans[self._resume.cut][1] if self._resume is not None else len(self._data)
         if self._marks or offset + 4096 > low:
             return
@@ -246,73 +287,77 @@ class TextKeys:
             marks.append((end, h.copy()))
         self._marks = marks
 
-    def scan_tail(self, lo: int, *, ar: bool, keep: int | None = None) -> None:
-        """One pass from boundary ``lo`` to the end: L1 keys of boundaries ``>= lo``, the
-        whole-text key and, with ``ar``, the AR keys of boundaries ``> lo``.
-
-        ``keep``: the number of leading cuts any longer text keeps (see ``Scan.stable``);
-        the state at the last of them is kept for :meth:`state`.
-        """
-        spans = self._spans
-        n = len(spans)
+    def scan_tail(self, lo: int, *, keep: int | None = None) -> None:
+        """One pass over the text's end: the L1 keys at keyed positions ``>= lo`` (those the
+        text this one extends holds are taken as they are), the whole-text key, and, for
+        ``keep`` (the number of leading cuts any longer text keeps, see ``Scan.stable``),
+        the state at the last of them for :meth:`state`."""
+        spans, keyed, keys = self._spans, self._keyed, self._keys
         lo = max(lo, 0)
-        data = memoryview(self._data)  # views: no copies of the text
-        keys, ar_keys = self._keys, self._ar_keys
-        r = self._resume
-        if r is not None and lo - 1 <= r.cut:
-            # Keys the text this one extends computed are the same here: take them (one
-            # slice each), and hash from where it stopped.
-            known = r.l1[lo:r.cut + 1]
-            known_ar = r.ar[lo + 1:r.cut + 1] if ar else []
-            if None in known or None in known_ar:
-                r = None  # (not a window it computed: hash the whole window)
-            else:
-                keys[lo:r.cut + 1] = known
-                if ar:
-                    ar_keys[lo + 1:r.cut + 1] = known_ar
-        if r is not None and lo - 1 <= r.cut:
-            first = r.cut + 1
-            prev = spans[r.cut][1]
-            h = r.hasher  # copied before any update (never changed: others hold it)
+        if None in keys[lo:]:  # (one C-level scan: usually only what was appended is missing)
+            todo = [p for p in range(lo, len(keyed)) if keys[p] is None]
         else:
-            first = lo + 1
-            prev = spans[lo][1] if lo < n else len(data)
-            h = self._hasher_at(prev)  # a fresh one: ours
-            if lo < n and keys[lo] is None:
-                keys[lo] = h.digest(KEY_BYTES)
+            todo = []
         last = -1 if keep is None else keep - 1
-        if last == first - 1 and last >= lo:
-            self._state = KeyState(last, h, keys, ar_keys)
-        h = h.copy()
-        for i in range(first, n):
-            start, end = spans[i]
-            if ar:
-                h.update(data[prev:start])
-                prev = start
-                if ar_keys[i] is None:
-                    a = h.copy()
-                    a.update(_AR_SUFFIX)
-                    ar_keys[i] = a.digest(KEY_BYTES)
-            h.update(data[prev:end])
-            prev = end
-            if keys[i] is None:
-                keys[i] = h.digest(KEY_BYTES)
-            if i == last:
-                self._state = KeyState(i, h.copy(), keys, ar_keys)
+        keep_at = spans[last][1] if last >= 0 else -1
+        r = self._resume
+        if r is not None and last == r.cut and not todo:
+            self._state = KeyState(last, r.hasher, keys, self._ar_keys, keyed)
+        # The pass starts at the nearest state below everything it computes.
+        first = min([spans[keyed[todo[0]]][1]] if todo else [], default=len(self._data))
+        if 0 <= keep_at < first and (r is None or last != r.cut):
+            first = keep_at
+        h = self._hasher_at(first)
+        start = first
+        data = memoryview(self._data)  # views: no copies of the text
+        marks = [(spans[keyed[p]][1], p) for p in todo]
+        if keep_at >= first and (r is None or last != r.cut):
+            marks.append((keep_at, -1))
+            marks.sort()
+        for end, p in marks:
+            if end > start:
+                h.update(data[start:end])
+                start = end
+            if p >= 0:
+                keys[p] = h.digest(KEY_BYTES)
+            else:
+                self._state = KeyState(last, h.copy(), keys, self._ar_keys, keyed)
         if self._exact is None:
-            h.update(data[prev:])
+            h.update(data[start:])
             h.update(_L0_SUFFIX)
             self._exact = h.digest(KEY_BYTES)
 
     def fill(self, lo: int, hi: int) -> None:
-        """Compute the L1 keys of boundaries ``lo <= i < hi`` (one pass from ``lo`` if any is missing)."""
-        lo = max(lo, 0)
-        if None in self._keys[lo:hi]:
-            self.scan_tail(lo, ar=False)
+        """Compute the L1 keys at keyed positions ``lo <= p < hi`` that are missing."""
+        for p in range(max(lo, 0), hi):
+            if self._keys[p] is None:
+                self.key_at(p)
 
     def fill_ar(self, lo: int, hi: int) -> None:
-        """Compute the AR keys of boundaries ``lo <= i < hi`` that are missing."""
+        """Compute the AR keys of boundaries ``lo <= i < hi`` that are missing: one running
+        pass from the nearest state below the first of them."""
         ar_keys = self._ar_keys
+        r = self._resume
+        todo = []
         for i in range(max(lo, 0), hi):
             if ar_keys[i] is None:
-                self.ar_key(i)
+                k = r.ar[i] if r is not None and i <= r.cut else None
+                if k is None:
+                    todo.append(i)
+                else:
+                    ar_keys[i] = k
+        if not todo:
+            return
+        spans = self._spans
+        start = spans[todo[0]][0]
+        self._checkpoint(start)
+        h = self._hasher_at(start)
+        data = memoryview(self._data)
+        for i in todo:
+            end = spans[i][0]
+            if end > start:
+                h.update(data[start:end])
+                start = end
+            a = h.copy()
+            a.update(_AR_SUFFIX)
+            ar_keys[i] = a.digest(KEY_BYTES)

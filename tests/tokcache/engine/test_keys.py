@@ -1,16 +1,16 @@
-"""Keys from the one-pass tail scan equal keys computed one by one from scratch."""
+"""Keys from the one-pass tail scan, and from a resumed text, equal keys computed one by one from scratch."""
 
 from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokcache.store.keys import MODE_EXACT, MODE_KV_STABLE, KeyStream, TextKeys
+from tokcache.store.keys import KEY_GRID, MODE_EXACT, MODE_KV_STABLE, KeyStream, TextKeys, extend_keyed
 
 
 def _reference(data: bytes, spans: list[tuple[int, int]], salt: str,
                mode: bytes) -> tuple[list[bytes], list[bytes], bytes]:
-    """(L1 keys, AR keys, exact key), each from a fresh stream fed the whole prefix."""
+    """(L1 keys, AR keys, exact key) by cut index, each from a fresh stream fed the whole prefix."""
     l1, ar = [], []
     for start, end in spans:
         s = KeyStream(salt, mode)
@@ -23,6 +23,13 @@ def _reference(data: bytes, spans: list[tuple[int, int]], salt: str,
     whole = KeyStream(salt, mode)
     whole.feed(data)
     return l1, ar, whole.exact_key()
+
+
+def _keyed(spans: list[tuple[int, int]], grid: int) -> list[int]:
+    """The keyed cuts, straight from the definition: the first, and the first in each new grid block."""
+    if not grid:
+        return list(range(len(spans)))
+    return [i for i in range(len(spans)) if i == 0 or spans[i][1] // grid != spans[i - 1][1] // grid]
 
 
 @st.composite
@@ -38,31 +45,77 @@ def _texts(draw: st.DrawFn) -> tuple[bytes, list[tuple[int, int]]]:
     return data, spans
 
 
+_GRIDS = st.sampled_from([0, 1, 16, 64, KEY_GRID])
+
+
 @settings(max_examples=200, deadline=None)
-@given(_texts(), st.integers(-3, 30), st.booleans(), st.sampled_from(["", "tenant-a"]),
+@given(_texts(), st.integers(-3, 30), _GRIDS, st.sampled_from(["", "tenant-a"]),
        st.sampled_from([MODE_EXACT, MODE_KV_STABLE]))
-def test_scan_tail_matches_keys_from_scratch(text: tuple[bytes, list[tuple[int, int]]], lo: int, ar: bool,
+def test_scan_tail_matches_keys_from_scratch(text: tuple[bytes, list[tuple[int, int]]], lo: int, grid: int,
                                              salt: str, mode: bytes) -> None:
     data, spans = text
     l1, ar_keys, exact = _reference(data, spans, salt, mode)
-    keys = TextKeys(data, spans, salt, mode)
-    keys.scan_tail(lo, ar=ar)
+    keys = TextKeys(data, spans, salt, mode, grid=grid)
+    assert keys.keyed == _keyed(spans, grid)
+    keys.scan_tail(lo)
     assert keys.exact_key() == exact
-    assert [keys.key(i) for i in range(len(spans))] == l1
+    assert [keys.key_at(p) for p in range(len(keys.keyed))] == [l1[i] for i in keys.keyed]
+    keys.fill_ar(0, len(spans))
     assert [keys.ar_key(i) for i in range(len(spans))] == ar_keys
     # Lazy keys without a scan, and fill(), agree too.
-    fresh = TextKeys(data, spans, salt, mode)
-    fresh.fill(max(lo, 0), len(spans))
-    assert [fresh.key(i) for i in range(len(spans))] == l1
+    fresh = TextKeys(data, spans, salt, mode, grid=grid)
+    fresh.fill(max(lo, 0), len(fresh.keyed))
+    assert [fresh.key_at(p) for p in range(len(fresh.keyed))] == [l1[i] for i in fresh.keyed]
     assert fresh.exact_key() == exact
+
+
+@settings(max_examples=200, deadline=None)
+@given(_texts(), st.binary(max_size=200), st.integers(0, 30), st.integers(0, 24), _GRIDS, st.booleans())
+def test_a_text_resumed_from_the_one_it_extends_has_the_same_keys(
+        base: tuple[bytes, list[tuple[int, int]]], more: bytes, lo: int, extra: int, grid: int, ar: bool) -> None:
+    """A text that extends another takes its keys and hash state (KeyState) and hashes only what it
+    appended: every key equals the one computed from scratch."""
+    data, spans = base
+    keep = len(spans)  # every span of the base is kept by the longer text (the test's texts say so)
+    first = TextKeys(data, spans, "s", MODE_KV_STABLE, grid=grid)
+    first.scan_tail(len(first.keyed) - lo, keep=keep)
+    if ar:
+        first.fill_ar(0, len(spans))
+    state = first.state()
+    longer = data + more
+    new_spans = list(spans)
+    prev = len(data)
+    for k in range(0, len(more) - 1, max(1, len(more) // max(1, extra))):
+        a, b = prev + k, prev + k + 1
+        if not new_spans or a >= new_spans[-1][1]:
+            new_spans.append((a, b))
+    l1, ar_keys, exact = _reference(longer, new_spans, "s", MODE_KV_STABLE)
+    keys = TextKeys(longer, new_spans, "s", MODE_KV_STABLE, state, grid=grid)
+    assert keys.keyed == _keyed(new_spans, grid)
+    keys.scan_tail(len(keys.keyed) - lo, keep=len(new_spans))
+    assert keys.exact_key() == exact
+    assert [keys.key_at(p) for p in range(len(keys.keyed))] == [l1[i] for i in keys.keyed]
+    keys.fill_ar(0, len(new_spans))
+    assert [keys.ar_key(i) for i in range(len(new_spans))] == ar_keys
+
+
+def test_extend_keyed_continues_a_prefix() -> None:
+    spans = [(0, 5), (10, 2050), (2100, 2101), (4000, 4200), (4300, 6200)]
+    whole: list[int] = []
+    extend_keyed(spans, 2048, 0, whole)
+    assert whole == [0, 1, 3, 4]
+    part = whole[:2]
+    extend_keyed(spans, 2048, 2, part)
+    assert part == whole
 
 
 def test_namespaces_differ() -> None:
     data, spans = b"<a>hello<b>world", [(0, 3), (8, 11)]
-    a = TextKeys(data, spans, "", MODE_KV_STABLE)
-    b = TextKeys(data, spans, "", MODE_EXACT)
-    c = TextKeys(data, spans, "salt", MODE_KV_STABLE)
+    a = TextKeys(data, spans, "", MODE_KV_STABLE, grid=0)
+    b = TextKeys(data, spans, "", MODE_EXACT, grid=0)
+    c = TextKeys(data, spans, "salt", MODE_KV_STABLE, grid=0)
     for keys in (a, b, c):
-        keys.scan_tail(0, ar=True)
+        keys.scan_tail(0)
+        keys.fill_ar(0, 2)
     assert len({a.exact_key(), b.exact_key(), c.exact_key()}) == 3
-    assert len({a.key(1), b.key(1), c.key(1), a.ar_key(1), a.exact_key()}) == 5
+    assert len({a.key_at(1), b.key_at(1), c.key_at(1), a.ar_key(1), a.exact_key()}) == 5

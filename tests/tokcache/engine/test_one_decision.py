@@ -5,9 +5,9 @@ bytes, its own memo); a client runs the same class on a read-only mapping of the
 segment (ids as lists, another memo, a ReadModel rebuilt from the published manifest).
 Property: at every point of a random multi-turn history — text and chat, exact and
 kv-stable, with recorded (non-canonical) outputs, rewritten history (Qwen3 drops old
-reasoning, the Llama template trims), writes from either side, and a small segment that
-evicts and wraps — both return the same ids and the same decision, and exact mode equals
-the ``tokenizers`` reference.
+reasoning, the Llama template trims), writes from either side or none, every cut keyed or
+a sparse grid, and a small segment that evicts and wraps — both return the same ids and
+the same decision, and exact mode equals the ``tokenizers`` reference.
 """
 
 from __future__ import annotations
@@ -33,13 +33,17 @@ from tokcache.store import Kind, Store, StoreReader
 SEGMENT = 2 << 20  # small: junk puts evict and wrap the log within an example
 
 
-@pytest.fixture(scope="module", params=["qwen3", "llama32"])
+@pytest.fixture(scope="module", params=[("qwen3", 0), ("llama32", 0), ("qwen3", 256), ("llama32", 256)],
+                ids=lambda p: f"{p[0]}-grid{p[1]}")
 def engine(request: pytest.FixtureRequest) -> ModelEngine:
-    path = Path(request.getfixturevalue(f"{request.param}_path"))
-    return ModelEngine(request.param, path, store=None)
+    """The sidecar's engine; key_grid 0 keys every cut, 256 keys a few cuts of these short texts
+    (the sparse keying of long ones: tokcache.store.keys.KEY_GRID)."""
+    name, grid = request.param
+    path = Path(request.getfixturevalue(f"{name}_path"))
+    return ModelEngine(name, path, store=None, key_grid=grid)
 
 
-_CLIENT_MODELS: dict[str, Any] = {}  # one client ReadModel per tokenizer: loading an encoder is slow
+_CLIENT_MODELS: dict[tuple[str, int], Any] = {}  # one client ReadModel per tokenizer: loading an encoder is slow
 
 
 class Pair:
@@ -55,9 +59,11 @@ class Pair:
         assert engine.publish([engine.name])
         self.reader = StoreReader.attach_name(store.name)
         manifest = Manifest.from_bytes(self.reader.manifest() or b"")
-        model = _CLIENT_MODELS.get(engine.fingerprint)
+        model = _CLIENT_MODELS.get((engine.fingerprint, manifest.key_grid))
         if model is None:  # built from the published manifest, as a client process does
-            model = _CLIENT_MODELS[engine.fingerprint] = from_manifest(engine.tokenizer_json, manifest)
+            model = from_manifest(engine.tokenizer_json, manifest)
+            _CLIENT_MODELS[(engine.fingerprint, manifest.key_grid)] = model
+        assert model.key_grid == engine.proven.model.key_grid
         self.client_memo: ChainMemo[Chunks] = ChainMemo(LISTS)
         self.client: Lookup[Chunks, list[int]] = Lookup(model, self.reader, self.client_memo)
         self.client_store = Store.attach(store.name, fingerprint=engine.fingerprint)
@@ -128,11 +134,13 @@ def _run_history(engine: ModelEngine, pair: Pair, data: Any) -> None:
         server, local = _check_same(pair, text, add=add, salt=salt, mode=mode)
         # Also the raw text (no chat) and a prefix of it: the cache must agree there too.
         _check_same(pair, text[: len(text) // 2], add=False, salt=salt, mode=mode)
-        # Store what one side learned (both would store the same).
-        if data.draw(st.booleans(), label="client writes"):
-            if local.write is not None:
-                commit(pair.client_store, pair.client_memo, local.write)
-        elif server.write is not None:
+        # Store what one side learned (both would store the same), or nothing (a client skips
+        # short tails: the next turn's hit stays where it was and the client reuses what it
+        # encoded, which must not change a decision).
+        who = data.draw(st.sampled_from(["client", "sidecar", "nobody"]), label="who writes")
+        if who == "client" and local.write is not None:
+            commit(pair.client_store, pair.client_memo, local.write)
+        elif who == "sidecar" and server.write is not None:
             pair.engine.commit(server.write)
         answer = data.draw(answer_text, label="answer")
         reasoning = engine.name == "qwen3" and data.draw(st.booleans(), label="reasoning")
