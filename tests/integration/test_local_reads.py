@@ -356,3 +356,87 @@ def test_an_open_breaker_keeps_in_process_reads_and_stops_their_rpc_fallbacks(
         await link.close()
 
     asyncio.run(main())
+
+
+def _agent_turns(turns: int, size: int) -> list[str]:
+    """A conversation whose turns each append ~``size`` bytes (an answer and a tool result)."""
+    text, out = "<|im_start|>system\nYou are an agent.<|im_end|>\n", []
+    for k in range(turns):
+        body = " ".join(f"line {k}.{i}: {'x' * (i % 13)} 你好" for i in range(size // 28))
+        text += f"<|im_start|>user\ntool result {k}:\n{body}<|im_end|>\n<|im_start|>assistant\n"
+        out.append(text)
+        text += f"step {k} done.<|im_end|>\n"
+    return out
+
+
+def test_the_next_turn_stores_the_previous_turns_write_in_its_own_thread(
+        sidecar: tuple[SidecarProcess, int], qwen3_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Back to back, a turn's pending write is stored by the conversation's next request, in the
+    caller's thread, before its lookup: that lookup then finds it (read your writes) with no
+    thread switch. (The background thread is kept away: it would look only once a minute.)"""
+    import threading
+    import time
+
+    from sidecar_client import _local
+
+    proc, _ = sidecar
+    ref = tokenizers.Tokenizer.from_file(str(qwen3_path / "tokenizer.json"))
+    monkeypatch.setattr(_local, "WRITER_TICK_S", 60.0)
+    stored_by: list[str] = []
+    real_commit = _local.commit
+
+    def commit(*args: object, **kwargs: object) -> object:
+        stored_by.append(threading.current_thread().name)
+        return real_commit(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_local, "commit", commit)
+    texts = _agent_turns(6, 900)
+    with SidecarClient(proc.address, min_write_bytes=0) as c:
+        while c.tokenize("qwen3", text="warm up").served_by != "local":
+            pass
+        # The first write offered starts the background thread (which may store it); once it has
+        # run, it waits for its next look (a minute away here).
+        c.tokenize("qwen3", text="warm up: start the background thread")
+        assert c.flush(5)
+        time.sleep(0.5)
+        stored_by.clear()
+        results = [c.tokenize("qwen3", text=t, add_special_tokens=False) for t in texts]
+        assert [r.token_ids for r in results] == [ref.encode(t, add_special_tokens=False).ids for t in texts]
+        # Turn k+1 found turn k's entries: cached up to a keyed cut of turn k's text.
+        for prev, r in zip(texts, results[1:], strict=False):
+            assert r.decision.source == "l1" and r.decision.cached_chars >= len(prev) - 2048
+        assert stored_by and set(stored_by) == {threading.main_thread().name}
+        assert c.flush(5)
+
+
+def test_a_short_uncached_tail_stores_nothing_and_costs_no_re_encoding(
+        sidecar: tuple[SidecarProcess, int], qwen3_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """min_write_bytes: a read whose uncached tail is shorter stores nothing, so the next turns
+    hit the last stored cut and their uncached tails grow until one is stored; meanwhile each
+    turn encodes only what it appended (the rest comes from what this process encoded), and
+    every turn's ids are the reference's."""
+    proc, _ = sidecar
+    ref = tokenizers.Tokenizer.from_file(str(qwen3_path / "tokenizer.json"))
+    texts = _agent_turns(9, 700)
+    with SidecarClient(proc.address, min_write_bytes=2500) as c:
+        c.tokenize("qwen3", text="warm up")
+        local = c._local.get("qwen3") if c._local is not None else None
+        assert local is not None
+        encoded: list[int] = []
+        real = local.model.encoder.encode
+        monkeypatch.setattr(local.model.encoder, "encode", lambda t: (encoded.append(len(t)), real(t))[1])
+        uncached, sizes = [], []
+        for prev, text in zip([""] + texts, texts, strict=False):
+            encoded.clear()
+            r = c.tokenize("qwen3", text=text, add_special_tokens=False)
+            c.flush(5)
+            assert r.token_ids == ref.encode(text, add_special_tokens=False).ids
+            uncached.append(r.decision.encoded_chars)
+            sizes.append(sum(encoded))
+            if prev and r.decision.encoded_chars > len(text) - len(prev) + 64:
+                assert sum(encoded) <= len(text) - len(prev) + 64, (r.decision, encoded)
+        writes = c.stats()["writes"]
+        assert writes["stored"] >= 2 and writes["skipped"] >= 2, writes
+        # Uncached tails grew over turns between stores (past one turn's), and shrank after each.
+        assert max(uncached[1:]) > 1.5 * min(uncached[1:]), uncached
+        assert any(b < a for a, b in zip(uncached, uncached[1:], strict=False)), uncached

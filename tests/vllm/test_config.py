@@ -25,9 +25,9 @@ def test_every_variable() -> None:
     c = PluginConfig.from_env({
         "TOKCACHE_ADDRESS": "unix:///run/x.sock", "TOKCACHE_MODEL": "qwen3", "TOKCACHE_TIMEOUT_MS": "50",
         "TOKCACHE_BREAKER_FAILURES": "2", "TOKCACHE_BREAKER_RESET_S": "0.5", "TOKCACHE_RECORD_QUEUE": "8",
-        "TOKCACHE_DISABLE": "yes",
+        "TOKCACHE_DISABLE": "yes", "TOKCACHE_MIN_WRITE_BYTES": "0",
     })
-    assert c == PluginConfig("unix:///run/x.sock", "qwen3", 0.05, 2, 0.5, 8, True)
+    assert c == PluginConfig("unix:///run/x.sock", "qwen3", 0.05, 2, 0.5, 8, True, min_write_bytes=0)
     assert c.record_timeout_s == 1.0  # at least a second: off the request path
 
 
@@ -35,7 +35,7 @@ def test_the_names_are_declared_once() -> None:
     assert set(ENV.values()) == {"TOKCACHE_ADDRESS", "TOKCACHE_MODEL", "TOKCACHE_TIMEOUT_MS",
                                  "TOKCACHE_BREAKER_FAILURES", "TOKCACHE_BREAKER_RESET_S", "TOKCACHE_RECORD_QUEUE",
                                  "TOKCACHE_RECORD_WAIT_MS", "TOKCACHE_ZERO_RPC", "TOKCACHE_OBSERVE_ONLY",
-                                 "TOKCACHE_DISABLE"}
+                                 "TOKCACHE_DISABLE", "TOKCACHE_MIN_WRITE_BYTES"}
 
 
 def test_blank_values_keep_defaults() -> None:
@@ -52,6 +52,7 @@ def test_disable_flag(value: str, disabled: bool) -> None:
     ("TOKCACHE_TIMEOUT_MS", "fast"), ("TOKCACHE_TIMEOUT_MS", "0"), ("TOKCACHE_TIMEOUT_MS", "-5"),
     ("TOKCACHE_TIMEOUT_MS", "nan"), ("TOKCACHE_BREAKER_FAILURES", "0"), ("TOKCACHE_BREAKER_FAILURES", "2.5"),
     ("TOKCACHE_BREAKER_RESET_S", "0"), ("TOKCACHE_RECORD_QUEUE", "0"), ("TOKCACHE_DISABLE", "maybe"),
+    ("TOKCACHE_MIN_WRITE_BYTES", "-1"), ("TOKCACHE_MIN_WRITE_BYTES", "4k"),
 ])
 def test_bad_values_name_the_variable(variable: str, value: str) -> None:
     with pytest.raises(PluginConfigError) as err:

@@ -27,6 +27,7 @@ DEFAULT_BREAKER_FAILURES = 5
 DEFAULT_BREAKER_RESET_S = 5.0
 DEFAULT_RECORD_QUEUE = 1024
 DEFAULT_RECORD_WAIT_MS = 1000.0
+DEFAULT_MIN_WRITE_BYTES = 4096  # the client's (sidecar_client._local.MIN_WRITE_BYTES)
 
 # field -> environment variable (the only place these names appear)
 ENV: dict[str, str] = {
@@ -38,6 +39,7 @@ ENV: dict[str, str] = {
     "record_queue": "TOKCACHE_RECORD_QUEUE",
     "record_wait_ms": "TOKCACHE_RECORD_WAIT_MS",
     "zero_rpc": "TOKCACHE_ZERO_RPC",
+    "min_write_bytes": "TOKCACHE_MIN_WRITE_BYTES",
     "observe_only": "TOKCACHE_OBSERVE_ONLY",
     "disable": "TOKCACHE_DISABLE",
 }
@@ -68,6 +70,9 @@ class PluginConfig:
     the next turn may then miss the record in another API server process).
     ``zero_rpc``: tokenize in vLLM's process from the sidecar's shared memory when its
     segment can be mapped here (default; ``TOKCACHE_ZERO_RPC=0`` sends every prompt over RPC).
+    ``min_write_bytes``: a prompt read in vLLM's process whose uncached tail is shorter stores
+    nothing in the shared cache (the next turn re-encodes nothing of it in this process; a
+    finished response's record stores the prompt anyway).
     ``observe_only``: never use the sidecar; vLLM tokenizes every prompt and the plugin only
     times it (``tokcache_vllm_tokenize_seconds{path="vllm"}``): a baseline measured the
     same way, e.g. with and without ``VLLM_USE_FASTOKENS=1``.
@@ -83,6 +88,7 @@ class PluginConfig:
     record_wait_s: float = DEFAULT_RECORD_WAIT_MS / 1000.0
     zero_rpc: bool = True
     observe_only: bool = False
+    min_write_bytes: int = DEFAULT_MIN_WRITE_BYTES
 
     def __post_init__(self) -> None:
         if not self.address:
@@ -99,6 +105,8 @@ class PluginConfig:
             raise PluginConfigError(ENV["record_wait_ms"], f"must be >= 0, got {self.record_wait_s * 1000:g} ms")
         if self.record_queue < 1:
             raise PluginConfigError(ENV["record_queue"], f"must be >= 1, got {self.record_queue}")
+        if self.min_write_bytes < 0:
+            raise PluginConfigError(ENV["min_write_bytes"], f"must be >= 0, got {self.min_write_bytes}")
 
     @property
     def record_timeout_s(self) -> float:
@@ -126,6 +134,7 @@ class PluginConfig:
             record_wait_s=_float(ENV["record_wait_ms"], get("record_wait_ms"), DEFAULT_RECORD_WAIT_MS) / 1000.0,
             zero_rpc=_flag(ENV["zero_rpc"], env.get(ENV["zero_rpc"], "1")),
             observe_only=_flag(ENV["observe_only"], env.get(ENV["observe_only"], "")),
+            min_write_bytes=_int(ENV["min_write_bytes"], get("min_write_bytes"), DEFAULT_MIN_WRITE_BYTES),
         )
 
 

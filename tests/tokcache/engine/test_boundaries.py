@@ -155,3 +155,37 @@ def test_added_tokens_parses_only_the_array(qwen3_path: Path, llama32_path: Path
         path = tmp_path / f"{name}.json"
         path.write_text(json.dumps(doc, ensure_ascii=False))
         assert added_tokens(path) == doc.get("added_tokens", [])
+
+
+_TOY_WORDS = ["<a>", "<a>x", "<ab>", "<b>", "ab", "abc", "<|x|>", "<|x", "x|>", "é<", "<é>"]
+
+
+@pytest.mark.parametrize("words", ["qwen3", "llama32", "toy"])
+def test_native_matcher_finds_what_the_regex_finds(words: str, request: pytest.FixtureRequest) -> None:
+    """The C matcher (tokcache.engine._speedups.Matcher) and the trie regex agree on every scan —
+    spans, the tail region's matches, kept_end, stable — whole and growing, on texts made of
+    added tokens, their fragments and noise."""
+    import random
+
+    from tokcache.engine import boundaries
+
+    if boundaries._native is None:
+        pytest.skip("tokcache.engine._speedups is not built here")
+    if words == "toy":
+        added, marks = _TOY_WORDS, ["<a>", "<b>", "<|x|>", "abc", "é<"]
+    else:
+        path = Path(request.getfixturevalue(f"{words}_path")) / "tokenizer.json"
+        added = [str(t["content"]) for t in json.loads(path.read_text())["added_tokens"] if not t.get("normalized")]
+        marks = list(check_boundaries(path, TokenizersEncoder(path)).boundary_tokens)
+    native = BoundaryScanner(added, marks, memo_bytes=1 << 20)
+    regex = BoundaryScanner(added, marks, memo_bytes=1 << 20, native=False)
+    assert native._matcher is not None and regex._matcher is None
+    rng = random.Random(words)
+    parts = [*added, *(w[:k] for w in added[:40] for k in range(1, len(w))), "x", " ", "\n", "|", "<", ">", "你"]
+    for _ in range(150):
+        text = ""
+        for _ in range(rng.randint(1, 6)):
+            text += "".join(rng.choice(parts) for _ in range(rng.randint(0, 15)))
+            a, b = native.scan_text(text), regex.scan_text(text)
+            assert (a.spans, a.tail, a.tail_from, a.kept_end, a.stable) == \
+                   (b.spans, b.tail, b.tail_from, b.kept_end, b.stable), text
