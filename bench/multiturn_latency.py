@@ -22,8 +22,14 @@ Every tokcache contender has its own sidecar and segment: one's entries never se
 ``--long``: one 100-turn conversation growing to ~800 KB (~270k tokens); the summary is over
 its last 10 turns. Otherwise the summary is over turns >= 2.
 
-The contender order rotates every turn so none is always first or last, and each gets its own
-copy of the text (a fresh ``str``, as vLLM's renderer makes one per request). Every contender's ids
+The contenders run in a new order every turn (a shuffle seeded by the turn's number), so each
+follows every other about equally often, and each gets its own copy of the text (a fresh
+``str``, as vLLM's renderer makes one per request). A contender pays for what ran before it:
+right after the ``tokenizers`` contender's 57 KB encode, the next native call's caches and the
+allocator's free lists are cold (measured here: a 1.5 KB fastokens encode went from 17 µs to
+340 µs), while right after another fastokens instance on the same text its code is warm. The
+fixed rotation this replaced (``--order rotate``) always ran fastokens+seg right after
+fastokens and tokcache after the SMG floor call. Every contender's ids
 are compared with ``tokenizers.Tokenizer.from_file(tokenizer.json).encode(text).ids``; a
 mismatch is reported on stderr at once and makes the script exit 1.
 
@@ -40,6 +46,7 @@ import gc
 import json
 import os
 import platform
+import random
 import sys
 import time
 from collections import Counter
@@ -147,6 +154,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--no-rpc", action="store_true", help="skip the tokcache RPC contenders")
     ap.add_argument("--long", action="store_true",
                     help="1 conversation of 100 turns to ~800 KB; summary over the last 10 turns")
+    ap.add_argument("--order", choices=("shuffle", "rotate"), default="shuffle",
+                    help="contender order per turn: a seeded shuffle (default), or the fixed rotation")
     ap.add_argument("--out-dir", type=Path, default=HERE / "out")
     args = ap.parse_args(argv)
     if args.long:
@@ -285,8 +294,11 @@ def run(args: argparse.Namespace) -> int:
                         flush=True,
                     )
                 live = [e for e in active if e.status == "ok"]
-                k = step % len(live)
-                order = live[k:] + live[:k]
+                if args.order == "rotate":
+                    k = step % len(live)
+                    order = live[k:] + live[:k]
+                else:
+                    order = random.Random(step).sample(live, len(live))
                 step += 1
                 gc.collect()
                 for pos, e in enumerate(order):
@@ -434,7 +446,8 @@ def summarise(
             "tokenizer_name": args.tokenizer_name,
             "add_special_tokens": args.add_special_tokens,
             "quick": args.quick,
-            "order": "rotating: turn step s runs contenders[s % n:] + contenders[:s % n]",
+            "order": ("rotating: turn step s runs contenders[s % n:] + contenders[:s % n]" if args.order == "rotate"
+                      else "shuffled: turn step s runs random.Random(s).sample(contenders, n)"),
             "latency": "client-observed, from the call until a list[int] is held; one call per contender per turn",
             "summary_turns": f">= {args.summary_from}",
             "long": args.long,
@@ -608,6 +621,7 @@ def print_report(r: dict[str, Any]) -> None:
         f"{env['cpus']} CPUs, load average at start {env['loadavg_at_start'][0]:.2f}; "
         f"tokenizers {env['tokenizers']}, fastokens {env['fastokens']}, grpcio {env['grpcio']}"
     )
+    print(f"contender order: {cfg['order']}")
     for n, c in cs.items():
         if c["status"] != "ok":
             print(f"!! {n}: {c['status'].upper()}: {c['reason'].splitlines()[0] if c['reason'] else ''}")
