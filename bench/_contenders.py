@@ -333,7 +333,7 @@ class TokcacheContender(Contender):
         self._log = log_dir / f"{self.name}-sidecar.log"
         self._proc: subprocess.Popen[bytes] | None = None
         self._client: Any = None
-        self._info: dict[str, Any] = {}
+        self._last: Any = None
         self.exit_code: int | None = None
 
     @property
@@ -404,12 +404,7 @@ class TokcacheContender(Contender):
         ids = r.token_ids
         if not isinstance(ids, list):
             ids = list(ids)
-        self._info = {
-            "source": r.decision.source,
-            "cached_tokens": r.decision.cached_tokens,
-            "encoded_chars": r.decision.encoded_chars,
-            "served_by": r.served_by,
-        }
+        self._last = r  # last_info() reads it outside the timed call, as other contenders' do
         return ids
 
     def settle(self) -> None:
@@ -421,7 +416,11 @@ class TokcacheContender(Contender):
         return dict(self._client.stats()) if self._client is not None else {}
 
     def last_info(self) -> dict[str, Any]:
-        return self._info
+        r = self._last
+        if r is None:
+            return {}
+        return {"source": r.decision.source, "cached_tokens": r.decision.cached_tokens,
+                "encoded_chars": r.decision.encoded_chars, "served_by": r.served_by}
 
     def list_models(self) -> Any:
         return self._client.list_models()

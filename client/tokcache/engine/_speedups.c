@@ -183,17 +183,14 @@ PyDoc_STRVAR(scan_doc,
 "``kept_end`` the end of the last token starting before it (or -1: none), ``stable`` how\n"
 "many of ``spans`` start before it.");
 
-static PyObject *Matcher_scan(Matcher *self, PyObject *args) {
-    Py_buffer view;
-    Py_ssize_t pos, tail_from;
-    if (!PyArg_ParseTuple(args, "y*nn", &view, &pos, &tail_from)) return NULL;
-    const unsigned char *data = view.buf;
-    Py_ssize_t n = view.len;
-    PyObject *spans = PyList_New(0), *tail = PyList_New(0);
-    Py_ssize_t kept_end = -1, stable = -1;
-    if (!spans || !tail) goto fail;
-    if (pos < 0) pos = 0;
-    Py_ssize_t p = pos;
+/* Append the added tokens of data[pos:n] to ``spans`` (boundary tokens) and ``tail`` (every
+ * token starting at or after tail_from); *kept_end: end of the last token starting before
+ * tail_from (unchanged if none); *stable: len(spans) when the first tail token was seen, else
+ * len(spans) at the end. 0 on success, -1 with an exception set. */
+static int scan_into(const Matcher *self, const unsigned char *data, Py_ssize_t n, Py_ssize_t pos,
+                     Py_ssize_t tail_from, PyObject *spans, PyObject *tail, Py_ssize_t *kept_end, Py_ssize_t *stable) {
+    Py_ssize_t p = pos < 0 ? 0 : pos;
+    *stable = -1;
     while (p < n) {
         if (self->single_first >= 0) {
             const unsigned char *hit = memchr(data + p, self->single_first, (size_t)(n - p));
@@ -210,31 +207,41 @@ static PyObject *Matcher_scan(Matcher *self, PyObject *args) {
             continue;
         }
         PyObject *span = Py_BuildValue("(nn)", p, p + len);
-        if (!span) goto fail;
+        if (!span) return -1;
         if (p < tail_from) {
-            kept_end = p + len;
+            *kept_end = p + len;
         } else {
-            if (stable < 0) stable = PyList_GET_SIZE(spans);
+            if (*stable < 0) *stable = PyList_GET_SIZE(spans);
             if (PyList_Append(tail, span) < 0) {
                 Py_DECREF(span);
-                goto fail;
+                return -1;
             }
         }
         if (boundary && PyList_Append(spans, span) < 0) {
             Py_DECREF(span);
-            goto fail;
+            return -1;
         }
         Py_DECREF(span);
         p += len;
     }
+    if (*stable < 0) *stable = PyList_GET_SIZE(spans);
+    return 0;
+}
+
+static PyObject *Matcher_scan(Matcher *self, PyObject *args) {
+    Py_buffer view;
+    Py_ssize_t pos, tail_from;
+    if (!PyArg_ParseTuple(args, "y*nn", &view, &pos, &tail_from)) return NULL;
+    PyObject *spans = PyList_New(0), *tail = PyList_New(0);
+    Py_ssize_t kept_end = -1, stable = -1;
+    if (!spans || !tail || scan_into(self, view.buf, view.len, pos, tail_from, spans, tail, &kept_end, &stable) < 0) {
+        PyBuffer_Release(&view);
+        Py_XDECREF(spans);
+        Py_XDECREF(tail);
+        return NULL;
+    }
     PyBuffer_Release(&view);
-    if (stable < 0) stable = PyList_GET_SIZE(spans);
     return Py_BuildValue("(NNnn)", spans, tail, kept_end, stable);
-fail:
-    PyBuffer_Release(&view);
-    Py_XDECREF(spans);
-    Py_XDECREF(tail);
-    return NULL;
 }
 
 static PyMethodDef Matcher_methods[] = {
@@ -253,21 +260,418 @@ static PyTypeObject MatcherType = {
     .tp_new = PyType_GenericNew,
 };
 
+
+/* ---------------------------------------------------------------------------------- */
+/* extend: the steady-state lookup of a text that extends one this process scanned.   */
+/*                                                                                    */
+/* lookup.py's Lookup._tokenize is the reference; this does its first half (scan, keys, */
+/* hit) in one call for the common case and says None for anything else, which the   */
+/* Python path then serves from the start. Same inputs, same outputs: the tests run   */
+/* both on the same histories and compare.                                            */
+
+static PyObject *s_text, *s_data, *s_spans, *s_stable, *s_tail_from, *s_kept_end, *s_hashers, *s_copy, *s_update,
+    *s_digest, *i_16, *b_l0_suffix;
+
+#include "_index.h"
+
+static int as_ssize(PyObject *o, Py_ssize_t *out) {
+    *out = PyLong_AsSsize_t(o);
+    return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+/* The (start, end) of spans[i]. */
+static int span_at(PyObject *spans, Py_ssize_t i, Py_ssize_t *start, Py_ssize_t *end) {
+    PyObject *t = PyList_GET_ITEM(spans, i);
+    if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 2) {
+        PyErr_SetString(PyExc_TypeError, "spans: a list of (start, end)");
+        return -1;
+    }
+    if (as_ssize(PyTuple_GET_ITEM(t, 0), start) < 0) return -1;
+    return as_ssize(PyTuple_GET_ITEM(t, 1), end);
+}
+
+static int feed(PyObject *h, PyObject *data, Py_ssize_t a, Py_ssize_t b) {
+    if (b <= a) return 0;
+    PyObject *mv = PyMemoryView_FromMemory(PyBytes_AS_STRING(data) + a, b - a, PyBUF_READ);
+    if (!mv) return -1;
+    PyObject *r = PyObject_CallMethodOneArg(h, s_update, mv);
+    Py_DECREF(mv);
+    if (!r) return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+/* The attribute ``name`` of ``o`` as a Py_ssize_t. */
+static int attr_ssize(PyObject *o, PyObject *name, Py_ssize_t *out) {
+    PyObject *v = PyObject_GetAttr(o, name);
+    if (!v) return -1;
+    int r = as_ssize(v, out);
+    Py_DECREF(v);
+    return r;
+}
+
+PyDoc_STRVAR(extend_doc,
+"extend(text, recent, ns, ctx, tail, now) -> tuple | None\n\n"
+"Lookup._tokenize's scan, keys and hit for ``text`` when it extends one of ``recent`` (the\n"
+"scan memo's latest Scans, newest first) that holds a KeyState for ``ns``, no L0 entry and\n"
+"no gallop applies, and the winning keyed cut's chain is held (``held_key``). ``ctx`` is\n"
+"(matcher, maxlen, grid, tail_probes, index_buffer, index_off, n_buckets, held_key,\n"
+"max_text_bytes). Returns (base, data, spans, tail, tail_from, kept_end, stable, keyed, keys,\n"
+"state_hasher, state_cut, exact_key, pos, key, container, tokens), or None: serve it in Python.");
+
+static PyObject *py_extend(PyObject *self, PyObject *args) {
+    PyObject *text, *recent, *ns, *ctx;
+    unsigned long long tail;
+    double now;
+    if (!PyArg_ParseTuple(args, "UO!OO!Kd", &text, &PyList_Type, &recent, &ns, &PyTuple_Type, &ctx, &tail, &now))
+        return NULL;
+    Matcher *matcher;
+    Py_ssize_t maxlen, grid, tail_probes, index_off, max_text_bytes;
+    unsigned long long n_buckets;
+    PyObject *index_obj, *held_key;
+    if (!PyArg_ParseTuple(ctx, "O!nnnOnKOn", &MatcherType, &matcher, &maxlen, &grid, &tail_probes, &index_obj,
+                          &index_off, &n_buckets, &held_key, &max_text_bytes))
+        return NULL;
+
+    PyObject *result = NULL, *snapshot = NULL, *base = NULL, *old = NULL, *hashers = NULL, *sub = NULL,
+             *added = NULL, *base_data = NULL, *data = NULL, *base_spans = NULL, *spans = NULL, *tail_list = NULL,
+             *keyed = NULL, *keys = NULL, *h = NULL, *state = NULL, *exact = NULL, *held = NULL;
+    Py_buffer view;
+    int have_view = 0;
+
+    /* 1. The text this one extends: one of the latest (a snapshot: other threads file too). */
+    snapshot = PySequence_Tuple(recent);
+    if (!snapshot) goto fail;
+    Py_ssize_t n_chars = PyUnicode_GET_LENGTH(text), m = 0;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(snapshot) && !base; i++) {
+        PyObject *c = PyTuple_GET_ITEM(snapshot, i);
+        old = PyObject_GetAttr(c, s_text);
+        if (!old) goto fail;
+        if (PyUnicode_Check(old)) {
+            m = PyUnicode_GET_LENGTH(old);
+            if (m <= n_chars && (m == 0 || PyUnicode_READ_CHAR(old, m - 1) == PyUnicode_READ_CHAR(text, m - 1))) {
+                Py_ssize_t r = PyUnicode_Tailmatch(text, old, 0, m, -1);
+                if (r < 0) goto fail;
+                if (r) base = Py_NewRef(c);
+            }
+        }
+        Py_CLEAR(old);
+    }
+    if (!base) goto none;
+
+    /* 2. Its key state for this namespace: (cut, hasher, l1, ar, keyed). */
+    hashers = PyObject_GetAttr(base, s_hashers);
+    if (!hashers) goto fail;
+    if (!PyDict_Check(hashers)) goto none;
+    PyObject *st = PyDict_GetItemWithError(hashers, ns); /* borrowed */
+    if (!st) {
+        if (PyErr_Occurred()) goto fail;
+        goto none;
+    }
+    if (!PyTuple_Check(st) || PyTuple_GET_SIZE(st) != 5 || !PyList_Check(PyTuple_GET_ITEM(st, 2)) ||
+        !PyList_Check(PyTuple_GET_ITEM(st, 4)))
+        goto none;
+    Py_ssize_t r_cut;
+    if (as_ssize(PyTuple_GET_ITEM(st, 0), &r_cut) < 0) goto fail;
+    PyObject *r_hasher = PyTuple_GET_ITEM(st, 1), *r_l1 = PyTuple_GET_ITEM(st, 2), *r_keyed = PyTuple_GET_ITEM(st, 4);
+
+    /* 3. The text as UTF-8: the base's bytes, then the appended part's. A lone surrogate is
+     * the Python path's to report (with its index in the whole text). */
+    sub = PyUnicode_Substring(text, m, n_chars);
+    if (!sub) goto fail;
+    added = PyUnicode_AsUTF8String(sub);
+    if (!added) {
+        if (!PyErr_ExceptionMatches(PyExc_UnicodeEncodeError)) goto fail;
+        PyErr_Clear();
+        goto none;
+    }
+    base_data = PyObject_GetAttr(base, s_data);
+    if (!base_data) goto fail;
+    if (!PyBytes_Check(base_data)) goto none;
+    Py_ssize_t b_len = PyBytes_GET_SIZE(base_data), a_len = PyBytes_GET_SIZE(added), total = b_len + a_len;
+    if (total > max_text_bytes) goto none; /* RequestTooLarge: the Python path's */
+    data = PyBytes_FromStringAndSize(NULL, total);
+    if (!data) goto fail;
+    memcpy(PyBytes_AS_STRING(data), PyBytes_AS_STRING(base_data), (size_t)b_len);
+    memcpy(PyBytes_AS_STRING(data) + b_len, PyBytes_AS_STRING(added), (size_t)a_len);
+
+    /* 4. Boundaries: the base's stable spans, then the matches from its tail region on. */
+    Py_ssize_t b_stable, b_tail_from, b_kept_end;
+    base_spans = PyObject_GetAttr(base, s_spans);
+    if (!base_spans || attr_ssize(base, s_stable, &b_stable) < 0 || attr_ssize(base, s_tail_from, &b_tail_from) < 0 ||
+        attr_ssize(base, s_kept_end, &b_kept_end) < 0)
+        goto fail;
+    if (!PyList_Check(base_spans) || b_stable > PyList_GET_SIZE(base_spans)) goto none;
+    spans = PyList_GetSlice(base_spans, 0, b_stable);
+    tail_list = PyList_New(0);
+    if (!spans || !tail_list) goto fail;
+    Py_ssize_t tail_from = total - maxlen + 1 > 0 ? total - maxlen + 1 : 0, kept_end = b_kept_end, stable;
+    if (scan_into(matcher, (const unsigned char *)PyBytes_AS_STRING(data), total,
+                  b_tail_from > b_kept_end ? b_tail_from : b_kept_end, tail_from, spans, tail_list, &kept_end,
+                  &stable) < 0)
+        goto fail;
+    Py_ssize_t n = PyList_GET_SIZE(spans);
+    if (r_cut < 0 || r_cut >= n || stable < 1 || stable - 1 < r_cut) goto none;
+
+    /* 5. Keyed cuts (KEY_GRID): the base's up to its state's cut, then the new ones. */
+    Py_ssize_t p = 0, nk_old = PyList_GET_SIZE(r_keyed);
+    while (p < nk_old) {
+        Py_ssize_t v;
+        if (as_ssize(PyList_GET_ITEM(r_keyed, p), &v) < 0) goto fail;
+        if (v > r_cut) break;
+        p++;
+    }
+    if (p > PyList_GET_SIZE(r_l1)) goto none;
+    keyed = PyList_GetSlice(r_keyed, 0, p);
+    keys = PyList_GetSlice(r_l1, 0, p);
+    if (!keyed || !keys) goto fail;
+    {
+        Py_ssize_t s0, e0, prev_block = -1;
+        if (span_at(spans, r_cut, &s0, &e0) < 0) goto fail;
+        if (grid) prev_block = e0 / grid;
+        for (Py_ssize_t i = r_cut + 1; i < n; i++) {
+            Py_ssize_t si, ei;
+            if (span_at(spans, i, &si, &ei) < 0) goto fail;
+            if (grid && ei / grid == prev_block) continue;
+            if (grid) prev_block = ei / grid;
+            PyObject *iv = PyLong_FromSsize_t(i);
+            if (!iv || PyList_Append(keyed, iv) < 0 || PyList_Append(keys, Py_None) < 0) {
+                Py_XDECREF(iv);
+                goto fail;
+            }
+            Py_DECREF(iv);
+        }
+    }
+    Py_ssize_t nk = PyList_GET_SIZE(keyed), lo = nk - tail_probes > 0 ? nk - tail_probes : 0;
+    for (Py_ssize_t q = lo; q < p; q++)
+        if (PyList_GET_ITEM(keys, q) == Py_None) goto none; /* a window key the base lacks */
+
+    /* 6. One hashing pass from the base's state: the new keyed cuts, the state at the last
+     * stable cut, the whole text (L0). */
+    Py_ssize_t last = stable - 1, r_off, keep_at, tmp;
+    if (span_at(spans, r_cut, &tmp, &r_off) < 0 || span_at(spans, last, &tmp, &keep_at) < 0) goto fail;
+    h = PyObject_CallMethodNoArgs(r_hasher, s_copy);
+    if (!h) goto fail;
+    Py_ssize_t start = r_off, q = p;
+    int keep_done = last == r_cut;
+    if (keep_done) state = Py_NewRef(r_hasher);
+    while (q < nk || !keep_done) {
+        Py_ssize_t end_q = -1;
+        if (q < nk) {
+            Py_ssize_t ci, si;
+            if (as_ssize(PyList_GET_ITEM(keyed, q), &ci) < 0 || span_at(spans, ci, &si, &end_q) < 0) goto fail;
+        }
+        if (!keep_done && (q >= nk || keep_at <= end_q)) {
+            if (feed(h, data, start, keep_at) < 0) goto fail;
+            if (keep_at > start) start = keep_at;
+            state = PyObject_CallMethodNoArgs(h, s_copy);
+            if (!state) goto fail;
+            keep_done = 1;
+            continue;
+        }
+        if (feed(h, data, start, end_q) < 0) goto fail;
+        if (end_q > start) start = end_q;
+        PyObject *k = PyObject_CallMethodOneArg(h, s_digest, i_16);
+        if (!k) goto fail;
+        PyList_SetItem(keys, q, k); /* steals k; replaces None */
+        q++;
+    }
+    if (feed(h, data, start, total) < 0) goto fail;
+    {
+        PyObject *u = PyObject_CallMethodOneArg(h, s_update, b_l0_suffix);
+        if (!u) goto fail;
+        Py_DECREF(u);
+    }
+    exact = PyObject_CallMethodOneArg(h, s_digest, i_16);
+    if (!exact) goto fail;
+
+    /* 7. Probes: the whole text (an L0 entry is the Python path's to read), then the window
+     * of keyed cuts from the last one down (none: the Python path gallops). */
+    if (PyObject_GetBuffer(index_obj, &view, PyBUF_SIMPLE) < 0) goto fail;
+    have_view = 1;
+    if (index_off < 0 || n_buckets == 0 || n_buckets > (uint64_t)PY_SSIZE_T_MAX / TK_BUCKET_SIZE ||
+        (uint64_t)view.len < (uint64_t)index_off + n_buckets * TK_BUCKET_SIZE) {
+        PyErr_SetString(PyExc_ValueError, "the index does not fit the buffer");
+        goto fail;
+    }
+    const unsigned char *index = (const unsigned char *)view.buf + index_off;
+    if (!PyBytes_Check(exact) || PyBytes_GET_SIZE(exact) != TK_KEY_SIZE) goto none;
+    int64_t so = tk_find_slot(index, n_buckets, (const unsigned char *)PyBytes_AS_STRING(exact));
+    if (so >= 0 && tk_slot_live(index + so, now, tail)) goto none;
+    Py_ssize_t pos = -1;
+    int64_t hit_slot = -1;
+    for (Py_ssize_t r = nk - 1; r >= lo; r--) {
+        PyObject *k = PyList_GET_ITEM(keys, r);
+        if (!PyBytes_Check(k) || PyBytes_GET_SIZE(k) != TK_KEY_SIZE) goto none;
+        int64_t sl = tk_find_slot(index, n_buckets, (const unsigned char *)PyBytes_AS_STRING(k));
+        if (sl >= 0 && tk_slot_live(index + sl, now, tail)) {
+            pos = r;
+            hit_slot = sl;
+            break;
+        }
+    }
+    if (pos < 0) goto none;
+    uint64_t lsn = tk_load_u64(index + hit_slot + TK_KEY_SIZE) & TK_LSN_MASK;
+    PyBuffer_Release(&view);
+    have_view = 0;
+
+    /* 8. The winner's chain, from what this process holds (else the Python path reads it). */
+    PyObject *key = PyList_GET_ITEM(keys, pos); /* borrowed */
+    PyObject *lsn_obj = PyLong_FromUnsignedLongLong(lsn);
+    if (!lsn_obj) goto fail;
+    PyObject *hargs[2] = {lsn_obj, key};
+    held = PyObject_Vectorcall(held_key, hargs, 2, NULL);
+    Py_DECREF(lsn_obj);
+    if (!held) goto fail;
+    if (held == Py_None || !PyTuple_Check(held) || PyTuple_GET_SIZE(held) != 3) goto none;
+    {
+        unsigned long long floor = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(held, 2));
+        if (PyErr_Occurred()) {
+            PyErr_Clear(); /* a negative floor: not known live */
+            goto none;
+        }
+        if (floor < tail) goto none;
+    }
+    result = Py_BuildValue("(OOOOnnnOOOnOnOOO)", base, data, spans, tail_list, tail_from, kept_end, stable, keyed,
+                           keys, state, last, exact, pos, key, PyTuple_GET_ITEM(held, 0), PyTuple_GET_ITEM(held, 1));
+    goto done;
+none:
+    result = Py_NewRef(Py_None);
+    goto done;
+fail:
+    result = NULL;
+done:
+    if (have_view) PyBuffer_Release(&view);
+    Py_XDECREF(snapshot);
+    Py_XDECREF(base);
+    Py_XDECREF(old);
+    Py_XDECREF(hashers);
+    Py_XDECREF(sub);
+    Py_XDECREF(added);
+    Py_XDECREF(base_data);
+    Py_XDECREF(data);
+    Py_XDECREF(base_spans);
+    Py_XDECREF(spans);
+    Py_XDECREF(tail_list);
+    Py_XDECREF(keyed);
+    Py_XDECREF(keys);
+    Py_XDECREF(h);
+    Py_XDECREF(state);
+    Py_XDECREF(exact);
+    Py_XDECREF(held);
+    return result;
+}
+
+
+/* ---------------------------------------------------------------------------------- */
+/* cut_tokens: where the boundary tokens of a text fall in its ids.                    */
+
+PyDoc_STRVAR(cut_tokens_doc,
+"cut_tokens(data, spans, i, last, keyed, k, ids, pos, id_of, at) -> None\n\n"
+"lookup._cut_tokens' walk (the reference): for spans[i..last], find the span's token id\n"
+"(``id_of[data[s:e]]``) in ``ids`` from ``pos`` on; record ``at[e] = position after it``\n"
+"for the keyed cuts (``keyed[k:]``, ascending) and the last. Stops where a token is not\n"
+"found (``at`` stays as far as it got).");
+
+static PyObject *py_cut_tokens(PyObject *self, PyObject *args) {
+    PyObject *data, *spans, *keyed, *ids, *id_of, *at;
+    Py_ssize_t i, last, k, pos;
+    if (!PyArg_ParseTuple(args, "O!O!nnO!nO!nO!O!", &PyBytes_Type, &data, &PyList_Type, &spans, &i, &last,
+                          &PyList_Type, &keyed, &k, &PyList_Type, &ids, &pos, &PyDict_Type, &id_of, &PyDict_Type,
+                          &at))
+        return NULL;
+    const char *buf = PyBytes_AS_STRING(data);
+    Py_ssize_t len = PyBytes_GET_SIZE(data);
+    if (i < 0 || k < 0 || pos < 0) {
+        PyErr_SetString(PyExc_ValueError, "cut_tokens: negative index");
+        return NULL;
+    }
+    Py_ssize_t next_keyed = -1;
+    for (; i <= last && i < PyList_GET_SIZE(spans); i++) {
+        Py_ssize_t s, e;
+        if (span_at(spans, i, &s, &e) < 0) return NULL;
+        if (s < 0 || e < s || e > len) {
+            PyErr_SetString(PyExc_ValueError, "cut_tokens: a span outside the data");
+            return NULL;
+        }
+        PyObject *tok = PyBytes_FromStringAndSize(buf + s, e - s);
+        if (!tok) return NULL;
+        PyObject *want = PyDict_GetItemWithError(id_of, tok); /* borrowed */
+        Py_DECREF(tok);
+        if (!want) {
+            if (PyErr_Occurred()) return NULL;
+            break; /* not a boundary token's text (cannot happen): stop */
+        }
+        long target = PyLong_AsLong(want);
+        if (target == -1 && PyErr_Occurred()) return NULL;
+        Py_ssize_t n = PyList_GET_SIZE(ids), j = pos;
+        for (; j < n; j++) {
+            PyObject *item = PyList_GET_ITEM(ids, j);
+            if (item == want) break;
+            if (PyLong_CheckExact(item)) {
+                long v = PyLong_AsLong(item);
+                if (v == target && !(v == -1 && PyErr_Occurred())) break;
+                PyErr_Clear();
+            } else {
+                int eq = PyObject_RichCompareBool(item, want, Py_EQ);
+                if (eq < 0) return NULL;
+                if (eq) break;
+            }
+        }
+        if (j >= n) break; /* not found (cannot happen): stop */
+        pos = j + 1;
+        while (next_keyed < i && k < PyList_GET_SIZE(keyed)) {
+            if (as_ssize(PyList_GET_ITEM(keyed, k), &next_keyed) < 0) return NULL;
+            if (next_keyed < i) k++;
+        }
+        if (next_keyed == i || i == last) {
+            PyObject *ek = PyLong_FromSsize_t(e), *pv = PyLong_FromSsize_t(pos);
+            int r = (ek && pv) ? PyDict_SetItem(at, ek, pv) : -1;
+            Py_XDECREF(ek);
+            Py_XDECREF(pv);
+            if (r < 0) return NULL;
+        }
+    }
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
+    {"cut_tokens", py_cut_tokens, METH_VARARGS, cut_tokens_doc},
+    {"extend", py_extend, METH_VARARGS, extend_doc},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "tokcache.engine._speedups",
-    "The added-token scan in C (boundaries.py is the reference).", -1, methods,
+    "The added-token scan and the steady-state lookup in C (boundaries.py and lookup.py are the\n"
+    "references). API: the version of these functions; the Python side uses a build whose API\n"
+    "it expects, else its own code (a checkout updated without rebuilding).", -1, methods,
 };
 
 PyMODINIT_FUNC PyInit__speedups(void) {
     if (PyType_Ready(&MatcherType) < 0) return NULL;
+    const uint16_t one = 1;
+    if (*(const unsigned char *)&one != 1) {
+        PyErr_SetString(PyExc_ImportError, "tokcache.engine._speedups assumes a little-endian host");
+        return NULL;
+    }
+#define INTERN(var, str) if (!(var = PyUnicode_InternFromString(str))) return NULL
+    INTERN(s_text, "text");
+    INTERN(s_data, "data");
+    INTERN(s_spans, "spans");
+    INTERN(s_stable, "stable");
+    INTERN(s_tail_from, "tail_from");
+    INTERN(s_kept_end, "kept_end");
+    INTERN(s_hashers, "hashers");
+    INTERN(s_copy, "copy");
+    INTERN(s_update, "update");
+    INTERN(s_digest, "digest");
+#undef INTERN
+    if (!(i_16 = PyLong_FromLong(16)) || !(b_l0_suffix = PyBytes_FromStringAndSize("\xffL0", 3))) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
     Py_INCREF(&MatcherType);
-    if (PyModule_AddObject(m, "Matcher", (PyObject *)&MatcherType) < 0) {
+    if (PyModule_AddIntConstant(m, "API", 2) < 0 || PyModule_AddObject(m, "Matcher", (PyObject *)&MatcherType) < 0) {
         Py_DECREF(&MatcherType);
         Py_DECREF(m);
         return NULL;

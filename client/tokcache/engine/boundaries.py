@@ -24,6 +24,7 @@ import os
 import re
 import sys
 import threading
+import warnings
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -42,6 +43,11 @@ def _load_native() -> Any:  # noqa: ANN401 - the extension module, or None
     try:
         from . import _speedups
     except ImportError:  # not compiled here: the regex serves
+        return None
+    if getattr(_speedups, "API", 0) != 2:  # built from an older checkout: not these functions
+        warnings.warn(f"tokcache: {_speedups.__file__} is a stale build (API {getattr(_speedups, 'API', 0)}, "
+                      "this code needs 2); using the pure-Python code. Rebuild: pip install -e .",
+                      RuntimeWarning, stacklevel=2)
         return None
     return _speedups
 
@@ -280,6 +286,27 @@ class BoundaryScanner:
     @property
     def enabled(self) -> bool:
         return self._pattern is not None
+
+    @property
+    def matcher(self) -> Any:  # noqa: ANN401 - the native Matcher, or None
+        """The native matcher (``_speedups.Matcher``), None where the regex serves."""
+        return self._matcher
+
+    @property
+    def maxlen(self) -> int:
+        """The longest added token, in UTF-8 bytes (a text's last ``maxlen - 1`` bytes may match
+        differently once it grows)."""
+        return self._maxlen
+
+    @property
+    def recent(self) -> list[Scan]:
+        """The memo's latest texts, newest first (read it as a snapshot: threads file too)."""
+        return self._recent
+
+    def keep(self, scan: Scan) -> Scan:
+        """File ``scan`` (made outside :meth:`scan_text`, from ``scan.base``) in the memo, as a scan
+        would: it supersedes its base. Returns it."""
+        return self._keep(scan, scan.base)
 
     def cuts(self, data: bytes) -> list[int]:
         """Offsets in ``data`` right after each boundary token, ascending."""

@@ -30,8 +30,9 @@ import time
 from bisect import bisect_left
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Generic, Protocol
+from typing import Any, Generic, Protocol
 
+from tokcache.engine import boundaries as _boundaries
 from tokcache.engine.affixes import Affixes
 from tokcache.engine.boundaries import BoundaryScanner, Encoded, Scan
 from tokcache.engine.encoder import Encoder
@@ -55,6 +56,10 @@ __all__ = [
     "utf8",
 ]
 
+# The native steady-state path (tokcache.engine._speedups: extend, cut_tokens) when the
+# extension was built (TOKCACHE_PURE_PYTHON=1: never); this module's Python is the reference.
+_native: Any = _boundaries._native
+
 # The longest-prefix search probes the last this many keyed cuts first (one native call;
 # a keyed cut per ~2 KB, see tokcache.store.keys.KEY_GRID: the window spans ~128 KB), then
 # gallops below them. Only the cuts a text appended are hashed for it (the others' keys
@@ -76,18 +81,22 @@ def utf8(text: str, field: str = "text") -> bytes:
         raise InvalidRequest(field, f"not valid Unicode at index {exc.start} (a lone surrogate)") from exc
 
 
+_TAGS = {"exact": MODE_EXACT, "kv-stable": MODE_KV_STABLE}
+
+
 def mode_tag(mode: str) -> bytes:
     """The key namespace of a mode name ("exact" or "kv-stable")."""
-    if mode == "exact":
-        return MODE_EXACT
-    if mode == "kv-stable":
-        return MODE_KV_STABLE
-    raise InvalidRequest("mode", f"expected 'kv-stable' or 'exact', got {mode!r}")
+    tag = _TAGS.get(mode)
+    if tag is None:
+        raise InvalidRequest("mode", f"expected 'kv-stable' or 'exact', got {mode!r}")
+    return tag
 
 
 class CacheView(Protocol):
     """What the lookup reads of a segment: ``Store`` (read-write) or ``StoreReader``."""
 
+    def tail(self) -> int: ...
+    def native_region(self) -> tuple[Any, int, int] | None: ...
     def probe(self, key: bytes) -> bool: ...
     def last_present(self, keys: list[bytes], lo: int, hi: int) -> int: ...
     def slot(self, key: bytes) -> tuple[int, int] | None: ...
@@ -271,6 +280,8 @@ class Lookup(Generic[Ids, Out]):
         self.memo: ChainMemo[Ids] = memo
         self.fmt: IdFormat[Ids, Out] = memo.fmt
         self.limits = limits or Limits()
+        # (store, the native fast path's context for it): see _extend.
+        self._fast_ctx: tuple[CacheView, tuple[Any, ...]] | None = None
 
     # -- the request path ----------------------------------------------------------------
 
@@ -286,6 +297,10 @@ class Lookup(Generic[Ids, Out]):
         """
         if len(text) > self.limits.max_text_bytes:  # chars <= bytes: a cheap first test
             raise RequestTooLarge("text", self.limits.max_text_bytes)
+        if _native is not None and self.model.scanner.matcher is not None:
+            fast = self._extend(text, add_special_tokens=add_special_tokens, salt=salt, mode=mode, tier=tier)
+            if fast is not None:
+                return fast
         try:
             scan = self.model.scanner.scan_text(text)
         except UnicodeEncodeError as exc:
@@ -331,8 +346,15 @@ class Lookup(Generic[Ids, Out]):
         if state is not None:
             scan.hashers[ns] = state
         hit = self._find_hit(store, keys, spans, ar, decision)
+        return self._serve(scan, keys, store, ar, hit, decision, n_chars, add_special_tokens, salt, tag, tier, t0)
+
+    def _serve(self, scan: Scan, keys: TextKeys, store: CacheView | None, ar: bool, hit: _Hit[Ids],
+               decision: Decision, n_chars: int, add_special_tokens: bool, salt: str, tag: bytes, tier: bool,
+               t0: int) -> Result[Ids, Out]:
+        """Steps 2 and 3 once the hit is known: encode the tail, build the result and the write."""
         t1 = time.perf_counter_ns()
         decision.timings["lookup"] = (t0, t1)
+        data, spans, affixes = scan.data, scan.spans, self.model.affixes
         prefix, suffix = (affixes.prefix, affixes.suffix) if add_special_tokens else ((), ())
         if hit.exact:
             assert hit.ids is not None
@@ -367,6 +389,54 @@ class Lookup(Generic[Ids, Out]):
                                  decision, self.model.boundary_id_of,
                                  enc.cut_tokens if enc is not None and enc.ids is tail.ids else None)
         return Result(self.fmt.result(full, n_full, prefix, suffix), decision, write)
+
+    def _extend(self, text: str, *, add_special_tokens: bool, salt: str, mode: str,
+                tier: bool) -> Result[Ids, Out] | None:
+        """The native fast path (``_speedups.extend``) of :meth:`tokenize` for the common case:
+        ``text`` extends one this process tokenized, no recorded output can apply (no AR in
+        the segment, or exact mode), and the hit is a keyed cut in the window whose chain
+        this process holds. None: :meth:`tokenize` serves it from the start.
+
+        The same decision as the Python path, by construction (the same keys, probes and
+        window) and by test (both run on the same histories).
+        """
+        store = self.store
+        tag = _TAGS.get(mode)
+        if tier or tag is None or store is None or (add_special_tokens and not self.model.affixes.separable):
+            return None
+        t0 = time.perf_counter_ns()
+        try:
+            if tag == MODE_KV_STABLE and store.holds_ar():
+                return None
+            ctx = self._fast_ctx
+            if ctx is None or ctx[0] is not store:
+                region: tuple[Any, int, int] | None = store.native_region()
+                if region is None:
+                    return None
+                scanner = self.model.scanner
+                index, index_off, n_buckets = region
+                args = (scanner.matcher, scanner.maxlen, self.model.key_grid, TAIL_PROBES, index, index_off,
+                        n_buckets, self.memo.held_key, self.limits.max_text_bytes)
+                ctx = self._fast_ctx = (store, args)
+            ns = (salt, tag)
+            got = _native.extend(text, self.model.scanner.recent, ns, ctx[1], store.tail(), time.time())
+        except StoreError:
+            return None
+        if got is None:
+            return None
+        (base, data, spans, tail, tail_from, kept_end, stable, keyed, keys_list, state_hasher, state_cut, exact,
+         pos, key, held, tokens) = got
+        scan = self.model.scanner.keep(Scan(data, spans, tail, tail_from, kept_end, len(base.data), text, base=base,
+                                            stable=stable))
+        keys = TextKeys.from_state(data, spans, salt, tag, keyed, keys_list, exact, state_cut, state_hasher,
+                                   base.hashers.get(ns), grid=self.model.key_grid)
+        scan.hashers[ns] = keys.state()
+        decision = Decision(source="l1", boundaries=len(spans), l1_disabled_reason=self.model.l1_disabled_reason,
+                            l0_hit=False, l1_hit=True)
+        j = keyed[pos]
+        hit: _Hit[Ids] = _Hit(held, tokens, spans[j][1], key, j + 1)
+        return self._serve(scan, keys, store, False, hit, decision, len(text), add_special_tokens, salt, tag, False,
+                           t0)
 
     def _canonical_tail(self, scan: Scan, keyed: list[int], tail_text: str, start: int) -> list[int]:
         """The canonical ids of ``tail_text`` (``scan.data[start:]``), reusing what this
@@ -618,6 +688,9 @@ def _cut_tokens(scan: Scan, keyed: list[int], ids: list[int], id_of: Mapping[byt
     last = scan.stable - 1
     i = bisect_left(spans, (start, -1))
     k = bisect_left(keyed, i)
+    if _native is not None and isinstance(id_of, dict):  # the same walk in C
+        _native.cut_tokens(data, spans, i, last, keyed, k, ids, pos, id_of, at)
+        return at
     try:
         while i <= last:
             s, e = spans[i]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import warnings
 from typing import Any
 
 from ._layout import (
@@ -40,6 +41,11 @@ def _load_native() -> Any:  # noqa: ANN401 - the extension module, or None
         from . import _speedups
     except ImportError:  # not compiled here: the reference loops serve
         return None
+    if getattr(_speedups, "API", 0) != 2:  # built from an older checkout: not these functions
+        warnings.warn(f"tokcache: {_speedups.__file__} is a stale build (API {getattr(_speedups, 'API', 0)}, "
+                      "this code needs 2); using the pure-Python code. Rebuild: pip install -e .",
+                      RuntimeWarning, stacklevel=2)
+        return None
     return _speedups
 
 
@@ -63,6 +69,10 @@ class Index:
             self.find = self._find_native  # type: ignore[method-assign]
             self.last_live = self._last_live_native  # type: ignore[method-assign]
             self.set = self._set_native  # type: ignore[method-assign]
+
+    def region(self) -> tuple[mmap.mmap, int, int]:
+        """(mapping, index offset, buckets): where a native reader probes (``_index.h``)."""
+        return self._mm, self._off, self._n_buckets
 
     def _find_native(self, key: bytes) -> int:
         return int(_native.find(self._mm, self._off, self._n_buckets, key))

@@ -145,6 +145,19 @@ class StoreReader:
         """See :meth:`Store.last_present`."""
         return self._index.last_live(keys, lo, hi, self._clock(), self._words[W_TAIL])
 
+    def tail(self) -> int:
+        """The log's tail now: records below it are evicted (a slot pointing under it is dead)."""
+        if self._closed:
+            raise StoreClosed(f"{self.name} is closed")
+        return int(self._words[W_TAIL])
+
+    def native_region(self) -> tuple[Any, int, int] | None:
+        """(mapping, index offset, buckets): the index as a native reader probes it, while this
+        stays open (see ``tokcache/store/_index.h``)."""
+        if self._closed:
+            raise StoreClosed(f"{self.name} is closed")
+        return self._index.region()
+
     def holds_ar(self) -> bool:
         """Whether an AR record was ever put in this segment (see :meth:`Store.holds_ar`)."""
         if self._closed:

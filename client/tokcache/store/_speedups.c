@@ -16,49 +16,20 @@
 #include <stdint.h>
 #include <string.h>
 
-#define KEY_SIZE 16
-#define BUCKET_SLOTS 15
-#define SLOTS_OFF 32
-#define SLOT_SIZE 32
-#define BUCKET_SIZE (SLOTS_OFF + SLOT_SIZE * BUCKET_SLOTS)
-#define LSN_MASK ((((uint64_t)1) << 56) - 1)
+#include "_index.h"
 
-static inline uint64_t load_u64(const unsigned char *p) {
-    uint64_t v;
-    memcpy(&v, p, 8); /* little-endian hosts only: checked at import (see module init) */
-    return v;
-}
+#define KEY_SIZE TK_KEY_SIZE
+#define BUCKET_SLOTS TK_BUCKET_SLOTS
+#define SLOTS_OFF TK_SLOTS_OFF
+#define SLOT_SIZE TK_SLOT_SIZE
+#define BUCKET_SIZE TK_BUCKET_SIZE
+#define LSN_MASK TK_LSN_MASK
+#define load_u64 tk_load_u64
+#define load_u32 tk_load_u32
+#define buckets tk_buckets
 
-static inline uint32_t load_u32(const unsigned char *p) {
-    uint32_t v;
-    memcpy(&v, p, 4);
-    return v;
-}
-
-/* The key's two bucket numbers: (key as a little-endian 128-bit integer) mod n, and its
- * high 64 bits mod n -- exactly Index._bucket_offs. */
-static inline void buckets(const unsigned char *key, uint64_t n, uint64_t *b1, uint64_t *b2) {
-    uint64_t lo = load_u64(key), hi = load_u64(key + 8);
-    unsigned __int128 h = ((unsigned __int128)hi << 64) | lo;
-    *b1 = (uint64_t)(h % n);
-    *b2 = hi % n;
-}
-
-/* Offset (from the start of the index) of key's slot, or -1. */
-static Py_ssize_t find_slot(const unsigned char *index, uint64_t n_buckets, const unsigned char *key) {
-    unsigned char tag = key[7] ^ key[15];
-    if (!tag) tag = 1;
-    uint64_t b[2];
-    buckets(key, n_buckets, &b[0], &b[1]);
-    for (int k = 0; k < 2; k++) {
-        if (k == 1 && b[1] == b[0]) break;
-        const unsigned char *bucket = index + b[k] * BUCKET_SIZE;
-        for (int i = 0; i < BUCKET_SLOTS; i++) {
-            if (bucket[i] == tag && memcmp(bucket + SLOTS_OFF + i * SLOT_SIZE, key, KEY_SIZE) == 0)
-                return (Py_ssize_t)(b[k] * BUCKET_SIZE + SLOTS_OFF + i * SLOT_SIZE);
-        }
-    }
-    return -1;
+static inline Py_ssize_t find_slot(const unsigned char *index, uint64_t n_buckets, const unsigned char *key) {
+    return (Py_ssize_t)tk_find_slot(index, n_buckets, key);
 }
 
 /* The index region of ``buf`` as a pointer, checked to hold n_buckets buckets at ``off``. */
@@ -128,10 +99,7 @@ static PyObject *py_last_live(PyObject *self, PyObject *args) {
         }
         Py_ssize_t s = find_slot(index, n_buckets, k);
         if (s < 0) continue;
-        const unsigned char *slot = index + s;
-        uint64_t lsn_kind = load_u64(slot + KEY_SIZE);
-        uint32_t expiry = load_u32(slot + KEY_SIZE + 8);
-        if ((expiry == 0 || now < (double)expiry) && (lsn_kind & LSN_MASK) >= tail) {
+        if (tk_slot_live(index + s, now, tail)) {
             found = i;
             break;
         }
@@ -248,7 +216,8 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "tokcache.store._speedups",
-    "Index probes and slot writes in C (_index.py is the reference).", -1, methods,
+    "Index probes and slot writes in C (_index.py is the reference). API: the version of these\n"
+    "functions (see tokcache.engine._speedups).", -1, methods,
 };
 
 PyMODINIT_FUNC PyInit__speedups(void) {
@@ -257,5 +226,7 @@ PyMODINIT_FUNC PyInit__speedups(void) {
         PyErr_SetString(PyExc_ImportError, "tokcache.store._speedups assumes a little-endian host");
         return NULL;
     }
-    return PyModule_Create(&module);
+    PyObject *m = PyModule_Create(&module);
+    if (m && PyModule_AddIntConstant(m, "API", 2) < 0) Py_CLEAR(m);
+    return m;
 }

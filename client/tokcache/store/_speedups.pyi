@@ -2,6 +2,8 @@
 
 from typing_extensions import Buffer
 
+API: int  # the version of these functions (the loader checks it)
+
 def find(buf: Buffer, index_off: int, n_buckets: int, key: bytes) -> int: ...
 def last_live(buf: Buffer, index_off: int, n_buckets: int, keys: list[bytes], lo: int, hi: int, now: float,
               tail: int) -> int: ...

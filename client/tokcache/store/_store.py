@@ -30,7 +30,7 @@ import math
 import mmap
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Final, NamedTuple
+from typing import Any, Final, NamedTuple
 
 from . import _layout
 from ._index import Index
@@ -257,6 +257,19 @@ class Store:
         corrupt), never the reverse. Lock-free; counts nothing.
         """
         return self._live_slot(key) is not None
+
+    def tail(self) -> int:
+        """The log's tail now: records below it are evicted (a slot pointing under it is dead)."""
+        if self._mm is None:
+            raise StoreClosed(f"{self.name} is closed")
+        return int(self._words[W_TAIL])
+
+    def native_region(self) -> tuple[Any, int, int] | None:
+        """(mapping, index offset, buckets): the index as a native reader probes it, while this
+        stays open (see ``tokcache/store/_index.h``)."""
+        if self._mm is None:
+            raise StoreClosed(f"{self.name} is closed")
+        return self._index.region()
 
     def holds_ar(self) -> bool:
         """Whether an AR record was ever put in this segment (lock-free, O(1)).

@@ -188,6 +188,26 @@ class TextKeys:
         self._marks: list[tuple[int, Any]] = []
         self._state: KeyState | None = None
 
+    @classmethod
+    def from_state(cls, data: bytes, spans: list[tuple[int, int]], salt: str, mode: bytes, keyed: list[int],
+                   keys: list[bytes | None], exact: bytes, cut: int, hasher: Any,  # noqa: ANN401
+                   resume: KeyState | None, *, grid: int = KEY_GRID) -> TextKeys:
+        """The keys a caller computed already (the native fast path): ``keyed``, their keys by
+        position, the L0 key, and the hash state at ``cut`` (for :meth:`state`); ``resume`` is
+        the state they were computed from (lazy keys below use it). Nothing is hashed here."""
+        self = cls.__new__(cls)
+        self._root = root_hasher(salt, mode)
+        self._data = data
+        self._spans = spans
+        self._keyed = keyed
+        self._keys = keys
+        self._ar_keys = [None] * len(spans)
+        self._exact = exact
+        self._resume = resume
+        self._marks = []
+        self._state = KeyState(cut, hasher, keys, self._ar_keys, keyed)
+        return self
+
     @property
     def data(self) -> bytes:
         """The text the keys are of (UTF-8)."""

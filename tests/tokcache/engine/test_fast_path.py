@@ -1,0 +1,188 @@
+"""The native steady-state path (``tokcache.engine._speedups``: ``extend``, ``cut_tokens``)
+against the Python it replaces (``lookup.py`` with ``_native`` off: the reference).
+
+Two client lookups read the same segment, one with the native path and one without, each
+with its own memo: along long chats (exact and kv-stable, with and without special tokens,
+a salt, rewritten turns) they return the same ids, the same decision and the same pending
+write, and the native path does serve most turns (else this would test nothing).
+"""
+
+from __future__ import annotations
+
+import random
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tokcache.engine import lookup as lookup_mod
+from tokcache.engine.ids import LISTS, Chunks
+from tokcache.engine.lookup import Lookup, ReadModel, _cut_tokens, commit
+from tokcache.engine.memo import ChainMemo
+from tokcache.engine.tokenizer import Manifest, from_manifest
+from tokcache.sidecar.engine.model import ModelEngine
+from tokcache.store import Store, StoreReader
+
+pytestmark = pytest.mark.skipif(lookup_mod._native is None, reason="the native extension is not built")
+
+WORDS = ("the", "cache", "tokens", "prefix", "agent", "tool", "call", "result", "über", "naïve", "日本語", "🎉",
+         "x = 1", "def f():", "    return", "{\"k\": 2}", "- item", "**bold**")
+
+
+def _para(rng: random.Random, n: int) -> str:
+    out = []
+    for _ in range(n):
+        out.append(rng.choice(WORDS))
+        out.append(rng.choice((" ", " ", " ", "\n", "\n\n", ", ", ". ")))
+    return "".join(out)
+
+
+class _Counting:
+    """``_native`` with ``extend``'s served calls counted."""
+
+    def __init__(self, native: Any) -> None:
+        self._native, self.served, self.calls = native, 0, 0
+
+    def extend(self, *args: Any) -> Any:
+        got = self._native.extend(*args)
+        self.calls += 1
+        self.served += got is not None
+        return got
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._native, name)
+
+
+@pytest.fixture(scope="module", params=[("qwen3", 0), ("llama32", 0), ("qwen3", 256), ("llama32", 256)],
+                ids=lambda p: f"{p[0]}-grid{p[1]}")
+def engine(request: pytest.FixtureRequest) -> ModelEngine:
+    name, grid = request.param
+    kwargs = {"key_grid": grid} if grid else {}
+    return ModelEngine(name, Path(request.getfixturevalue(f"{name}_path")), store=None, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def model(engine: ModelEngine) -> Iterator[ReadModel]:
+    """The client's ReadModel, from the manifest a segment publishes."""
+    store = Store.open(prefix=f"tkt-fast-{uuid.uuid4().hex[:8]}", fingerprint=engine.fingerprint, size=4 << 20,
+                       id_bytes=3)
+    engine.store = store
+    try:
+        assert engine.publish([engine.name])
+        reader = StoreReader.attach_name(store.name)
+        try:
+            yield from_manifest(engine.tokenizer_json, Manifest.from_bytes(reader.manifest() or b""))
+        finally:
+            reader.close()
+    finally:
+        engine.store = None
+        store.unlink()
+        store.close()
+
+
+@pytest.mark.parametrize("mode,add,salt", [("exact", False, ""), ("exact", True, "t"), ("kv-stable", False, ""),
+                                           ("kv-stable", True, "tenant")])
+def test_native_and_python_paths_agree_along_long_chats(engine: ModelEngine, model: ReadModel, mode: str,
+                                                        add: bool, salt: str,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    store = Store.open(prefix=f"tkt-fast-{uuid.uuid4().hex[:8]}", fingerprint=engine.fingerprint, size=16 << 20,
+                       id_bytes=3)
+    reader = StoreReader.attach_name(store.name)
+    counting = _Counting(lookup_mod._native)
+    monkeypatch.setattr(lookup_mod, "_native", counting)
+    try:
+        fast_memo: ChainMemo[Chunks] = ChainMemo(LISTS)
+        ref_memo: ChainMemo[Chunks] = ChainMemo(LISTS)
+        fast: Lookup[Chunks, list[int]] = Lookup(model, reader, fast_memo)
+        ref: Lookup[Chunks, list[int]] = Lookup(model, reader, ref_memo)
+        rng = random.Random(f"{engine.name}-{mode}-{add}")
+        msgs: list[dict[str, Any]] = [{"role": "system", "content": _para(rng, 200)}]
+        turns = 24
+        for turn in range(turns):
+            msgs.append({"role": "user", "content": _para(rng, rng.randint(20, 400))})
+            text = engine.render(msgs, add_generation_prompt=True)
+            got = fast.tokenize(text, add_special_tokens=add, salt=salt, mode=mode)
+            monkeypatch.setattr(lookup_mod, "_native", None)
+            want = ref.tokenize(text, add_special_tokens=add, salt=salt, mode=mode)
+            monkeypatch.setattr(lookup_mod, "_native", counting)
+            assert got.ids == want.ids, (turn, got.decision, want.decision)
+            for name in ("source", "cached_tokens", "cached_chars", "encoded_chars", "boundaries", "l0_hit",
+                         "l1_hit", "ar_spliced_tokens"):
+                assert getattr(got.decision, name) == getattr(want.decision, name), (turn, name)
+            if mode == "exact":
+                full = engine.reference.encode_full(text) if add else engine.reference.encode(text)
+                assert got.ids == full, turn
+            assert (got.write is None) == (want.write is None), turn
+            if got.write is not None and want.write is not None:
+                assert got.write.parent == want.write.parent and got.write.parent_tokens == want.write.parent_tokens
+                assert list(got.write.ids) == list(want.write.ids), turn
+                assert got.write.entries() == want.write.entries(), turn
+                # One side stores (as a client does); both memos learn the record.
+                ref_ = commit(store, fast_memo, got.write)
+                if ref_ is not None:
+                    ref_memo.put(ref_, ref_memo.fmt.compact(want.write.full),
+                                 {e[0]: e[1] + ref_.n - len(want.write.ids) for e in want.write.entries()})
+            answer = _para(rng, rng.randint(5, 120))
+            if turn % 7 == 6:  # a rewritten history: the next text extends none of the latest
+                msgs[1]["content"] += " (edited)"
+            msgs.append({"role": "assistant", "content": answer})
+        # The native path served the steady state, not a turn or two.
+        assert counting.served >= turns // 2, (counting.served, counting.calls)
+    finally:
+        reader.close()
+        store.unlink()
+        store.close()
+
+
+def test_native_cut_tokens_equals_the_python_walk(engine: ModelEngine, model: ReadModel,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = random.Random(engine.name)
+    native = lookup_mod._native
+    id_of = dict(model.boundary_id_of)
+    for _ in range(30):
+        msgs = [{"role": "system", "content": _para(rng, 30)}]
+        for _ in range(rng.randint(1, 6)):
+            msgs.append({"role": rng.choice(("user", "assistant")), "content": _para(rng, rng.randint(1, 80))})
+        text = engine.render(msgs, add_generation_prompt=rng.random() < 0.5)
+        scan = model.scanner.scan(text.encode("utf-8"))
+        if not scan.spans:
+            continue
+        ids = engine.reference.encode(text)
+        keyed = sorted(rng.sample(range(len(scan.spans)), k=rng.randint(0, len(scan.spans))))
+        # From the start, and from a cut inside (its token position found by the walk itself).
+        starts = [(0, 0)]
+        cut_i = rng.randrange(len(scan.spans))
+        full = _cut_tokens(scan, list(range(len(scan.spans))), ids, id_of, 0, 0, {})
+        cut_end = scan.spans[cut_i][1]
+        if cut_end in full:
+            starts.append((cut_end, full[cut_end]))
+        for start, pos in starts:
+            monkeypatch.setattr(lookup_mod, "_native", None)
+            want = _cut_tokens(scan, keyed, ids, id_of, start, pos, {start: pos})
+            monkeypatch.setattr(lookup_mod, "_native", native)
+            got = _cut_tokens(scan, keyed, ids, id_of, start, pos, {start: pos})
+            assert got == want
+        # A surprise (an id missing from the ids): both stop at the same place.
+        if len(ids) > 4:
+            broken = ids[: len(ids) // 2]
+            monkeypatch.setattr(lookup_mod, "_native", None)
+            want = _cut_tokens(scan, keyed, broken, id_of, 0, 0, {0: 0})
+            monkeypatch.setattr(lookup_mod, "_native", native)
+            assert _cut_tokens(scan, keyed, broken, id_of, 0, 0, {0: 0}) == want
+
+
+def test_a_stale_build_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A checkout updated without rebuilding keeps an older extension (other functions or
+    arguments): the loaders see its API and use the Python code, saying so."""
+    from tokcache.engine import _speedups as engine_ext
+    from tokcache.engine import boundaries
+    from tokcache.store import _index
+    from tokcache.store import _speedups as store_ext
+
+    assert boundaries._load_native() is engine_ext and _index._load_native() is store_ext
+    for ext, load in ((engine_ext, boundaries._load_native), (store_ext, _index._load_native)):
+        monkeypatch.setattr(ext, "API", ext.API - 1)
+        with pytest.warns(RuntimeWarning, match="stale build"):
+            assert load() is None
