@@ -112,6 +112,7 @@ def _child(name: str, index: int, args: dict[str, Any], barrier: Any, out: Any) 
         barrier.wait(timeout=600)
         lat: list[float] = []
         kept: list[tuple[int, list[int]]] = []
+        c0 = time.process_time()  # this process's CPU, its write-behind thread included
         t0 = time.perf_counter()
         for i, text in enumerate(texts):
             s = time.perf_counter_ns()
@@ -121,21 +122,37 @@ def _child(name: str, index: int, args: dict[str, Any], barrier: Any, out: Any) 
                 kept.append((i, ids))  # checked after the clock stops
         wall = time.perf_counter() - t0
         t_end = time.time()
+        c1 = time.process_time()
         bad = sum(ids != ref.encode(texts[i], add_special_tokens=False).ids for i, ids in kept)
+        check_cpu = time.process_time() - c1  # not the contender's
         client = getattr(fn, "client", None)
         stats: dict[str, Any] = {}
         if client is not None:
-            client.flush(30)
+            client.flush(30)  # the writes these requests left: their CPU is the requests'
             stats = client.stats()
+        cpu = time.process_time() - c0 - check_cpu
+        if client is not None:
             client.close()
         out.put({"index": index, "lat_us": lat, "wall": wall, "t_end": t_end, "mismatches": bad,
-                 "stats": stats, "pid": os.getpid()})
+                 "stats": stats, "pid": os.getpid(), "cpu_s": cpu})
     except BaseException as exc:  # report, never hang the parent
         try:
             barrier.abort()
         except Exception:  # noqa: BLE001
             pass
         out.put({"index": index, "error": f"{type(exc).__name__}: {exc}"})
+
+
+def _proc_cpu_s(server: Any) -> float:
+    """CPU seconds (user + system) the server process has used so far; 0 without one."""
+    proc = getattr(server, "_proc", None)
+    if proc is None:
+        return 0.0
+    try:
+        fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
 
 def run_one(name: str, procs: int, args: argparse.Namespace, tok_dir: Path) -> dict[str, Any]:
@@ -167,10 +184,12 @@ def run_one(name: str, procs: int, args: argparse.Namespace, tok_dir: Path) -> d
             c.start()
         barrier.wait(timeout=600)
         start = time.time()
+        server_cpu0 = _proc_cpu_s(server)
         results = [out.get(timeout=1800) for _ in children]
+        server_cpu = _proc_cpu_s(server) - server_cpu0
     except Exception as exc:  # noqa: BLE001 - a broken barrier or a dead child: report it
         results = [{"error": f"{type(exc).__name__}: {exc}"}]
-        start = time.time()
+        start, server_cpu = time.time(), 0.0
     finally:
         for c in children:
             c.join(timeout=30)
@@ -188,7 +207,12 @@ def run_one(name: str, procs: int, args: argparse.Namespace, tok_dir: Path) -> d
     for r in results:
         for k, v in (r["stats"].get("writes") or {}).items():
             writes[k] = writes.get(k, 0) + v
+    client_cpu = sum(r["cpu_s"] for r in results)
     return {"status": "ok", "requests": len(lat), "wall_s": wall, "req_per_s": len(lat) / wall,
+            # CPU per request: every client process's (over its loop and the flush of its
+            # writes) and the server's (sidecar / SMG) over the run; a node pays both.
+            "client_cpu_us_per_req": client_cpu / len(lat) * 1e6,
+            "server_cpu_us_per_req": server_cpu / len(lat) * 1e6,
             "p50_us": percentile(lat, 50), "p99_us": percentile(lat, 99),
             "mismatches": sum(r["mismatches"] for r in results), "writes": writes,
             "max_us": max(lat), "slowest": sorted(((x, r["index"], i) for r in results
@@ -252,11 +276,20 @@ def main(argv: list[str] | None = None) -> int:
         def rps(n: str, runs: dict[str, Any] = runs) -> float | None:
             r = runs.get(n)
             return r["req_per_s"] if r and r["status"] == "ok" else None
+
+        def cpu(n: str, runs: dict[str, Any] = runs) -> float | None:
+            r = runs.get(n)
+            if not r or r["status"] != "ok":
+                return None
+            return float(r["client_cpu_us_per_req"] + r["server_cpu_us_per_req"])
         for num, den in (("tokcache", "fastokens+seg"), ("tokcache", "fastokens"), ("tokcache", "smg"),
                          ("tokcache-rpc", "smg"), ("tokcache", "tokcache-rpc")):
             a, b = rps(num), rps(den)
             if a and b:
                 ratios.setdefault(procs, {})[f"{num}/{den} req/s"] = a / b
+            ca, cb = cpu(num), cpu(den)
+            if ca and cb:
+                ratios.setdefault(procs, {})[f"{num}/{den} CPU/req"] = ca / cb
     res["ratios"] = ratios
     path = args.out_dir / "concurrency.json"
     path.write_text(json.dumps(res, indent=1))
@@ -282,6 +315,18 @@ def print_report(res: dict[str, Any]) -> None:
                 cells.append(f"{r['req_per_s']:>9.0f}/s {r['p50_us']:>7.0f}/{r['p99_us']:>7.0f}µs")
         print(f"{procs:>3}  " + "".join(cells))
     print("  (req/s over the run; p50/p99 latency per request)")
+    print("\nCPU per request, client + server (µs; steadier than req/s on a noisy machine)")
+    print(f"{'P':>3}  " + "".join(f"{n:>30}" for n in names))
+    for procs, runs in res["runs"].items():
+        cells = []
+        for n in names:
+            r = runs.get(n)
+            if not r or r["status"] != "ok" or "client_cpu_us_per_req" not in r:
+                cells.append(f"{'-':>30}")
+            else:
+                c, v = r["client_cpu_us_per_req"], r["server_cpu_us_per_req"]
+                cells.append(f"{c + v:>12.0f} = {c:>6.0f} + {v:>6.0f}")
+        print(f"{procs:>3}  " + "".join(cells))
     for procs, rs in res["ratios"].items():
         print(f"P={procs}: " + ", ".join(f"{k} {v:.2f}" for k, v in rs.items()))
 

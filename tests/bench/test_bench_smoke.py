@@ -56,3 +56,26 @@ def test_quick_run_checks_every_contender(tmp_path: Path) -> None:
     prefix = result["tokcache"]["shm_prefix"]
     assert not list(Path("/dev/shm").glob(f"{prefix}*"))
     assert not list(Path("/dev/shm").glob(f"sem.{prefix}*"))
+
+
+@pytest.mark.skipif(_sidecar_missing() is not None, reason=str(_sidecar_missing()))
+def test_concurrency_quick_run_counts_requests_and_cpu(tmp_path: Path) -> None:
+    """bench/concurrency.py: every run answers with the reference's ids, and CPU per request
+    is accounted on both sides (the sidecar's shows when it serves RPCs)."""
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "concurrency.py"), "--quick", "--contenders",
+         "fastokens+seg,tokcache,tokcache-rpc", "--check", "1", "--out-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=300, cwd=REPO,
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    result = json.loads((tmp_path / "concurrency.json").read_text())
+    assert set(result["runs"]) == {"1", "4"}
+    for procs, runs in result["runs"].items():
+        for name, r in runs.items():
+            assert r["status"] == "ok" and r["mismatches"] == 0, (procs, name, r)
+            assert r["requests"] == int(procs) * 12 and r["client_cpu_us_per_req"] > 0, (procs, name)
+        assert runs["tokcache"]["served_by_local"] >= runs["tokcache"]["requests"]  # no RPC for reads
+        assert runs["tokcache-rpc"]["served_by_local"] == 0
+        assert runs["tokcache-rpc"]["server_cpu_us_per_req"] > 0  # the sidecar encodes
+        assert "tokcache/fastokens+seg CPU/req" in result["ratios"][procs]
+    assert "CPU per request" in proc.stdout
