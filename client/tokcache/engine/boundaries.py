@@ -20,17 +20,16 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import os
 import re
 import sys
 import threading
-import warnings
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tokcache import native
 from tokcache.engine.encoder import Encoder
 
 log = logging.getLogger(__name__)
@@ -38,18 +37,7 @@ log = logging.getLogger(__name__)
 # The added-token scan in C (``_speedups.c``: the same matches as the trie regex below) when
 # the extension was built. TOKCACHE_PURE_PYTHON=1 forces the regex (the tests compare both).
 def _load_native() -> Any:  # noqa: ANN401 - the extension module, or None
-    if os.environ.get("TOKCACHE_PURE_PYTHON", "") in ("1", "true", "yes"):
-        return None
-    try:
-        from . import _speedups
-    except ImportError:  # not compiled here: the regex serves
-        return None
-    if getattr(_speedups, "API", 0) != 2:  # built from an older checkout: not these functions
-        warnings.warn(f"tokcache: {_speedups.__file__} is a stale build (API {getattr(_speedups, 'API', 0)}, "
-                      "this code needs 2); using the pure-Python code. Rebuild: pip install -e .",
-                      RuntimeWarning, stacklevel=2)
-        return None
-    return _speedups
+    return native.load("tokcache.engine._speedups", 2)
 
 
 _native: Any = _load_native()

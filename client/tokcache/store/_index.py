@@ -10,9 +10,9 @@ another key (which the record's key list rules out).
 from __future__ import annotations
 
 import mmap
-import os
-import warnings
 from typing import Any
+
+from tokcache import native
 
 from ._layout import (
     BUCKET_SIZE,
@@ -35,18 +35,7 @@ __all__ = ["NATIVE", "STATS_SAMPLE_BUCKETS", "Index"]
 # The probes in C (``_speedups.c``) when the extension was built, else the loops below;
 # TOKCACHE_PURE_PYTHON=1 forces the loops (the tests compare both).
 def _load_native() -> Any:  # noqa: ANN401 - the extension module, or None
-    if os.environ.get("TOKCACHE_PURE_PYTHON", "") in ("1", "true", "yes"):
-        return None
-    try:
-        from . import _speedups
-    except ImportError:  # not compiled here: the reference loops serve
-        return None
-    if getattr(_speedups, "API", 0) != 2:  # built from an older checkout: not these functions
-        warnings.warn(f"tokcache: {_speedups.__file__} is a stale build (API {getattr(_speedups, 'API', 0)}, "
-                      "this code needs 2); using the pure-Python code. Rebuild: pip install -e .",
-                      RuntimeWarning, stacklevel=2)
-        return None
-    return _speedups
+    return native.load("tokcache.store._speedups", 2)
 
 
 _native: Any = _load_native()

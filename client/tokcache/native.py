@@ -1,0 +1,31 @@
+"""Loading the optional C extensions (``tokcache.store._speedups``, ``tokcache.engine._speedups``).
+
+Each accelerates Python code that stays the reference (the tests compare both). An extension is
+used only when it was built, TOKCACHE_PURE_PYTHON is not set, and its ``API`` is the version this
+code calls: a checkout updated without rebuilding keeps an older build, whose functions differ.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import warnings
+from typing import Any
+
+__all__ = ["load"]
+
+
+def load(module: str, api: int) -> Any:  # noqa: ANN401 - the extension module, or None
+    """The extension ``module`` if it can serve (see above), else None (warning on a stale build)."""
+    if os.environ.get("TOKCACHE_PURE_PYTHON", "") in ("1", "true", "yes"):
+        return None
+    try:
+        ext = importlib.import_module(module)
+    except ImportError:  # not compiled here: the Python code serves
+        return None
+    built = getattr(ext, "API", 0)
+    if built != api:
+        warnings.warn(f"tokcache: {ext.__file__} is a stale build (API {built}, this code needs {api}); "
+                      "using the pure-Python code. Rebuild: pip install -e .", RuntimeWarning, stacklevel=2)
+        return None
+    return ext
