@@ -42,4 +42,14 @@ def test_idle_streams_end_cleanly_when_a_start_is_undone(tmp_path: Path, qwen3_p
     with caplog.at_level(logging.ERROR):
         asyncio.run(main())
     logged = [r for r in caplog.records if "CancelledError" in (r.getMessage() + str(r.exc_info))]
-    assert not logged and not errors, (logged, errors)
+    assert not logged and not [e for e in errors if not _earlier_loops_event(e)], (logged, errors)
+
+
+def _earlier_loops_event(context: dict[str, object]) -> bool:
+    """grpc.aio's process-wide poller hands each completion to the loop its call was made on; a call
+    an earlier test left behind belongs to that test's closed loop, and handing it over raises
+    'Event loop is closed' inside *this* loop's callback (CI saw it once). That is grpc's leftover
+    from another test, not a handler of this sidecar; every other error still fails the test."""
+    exception = context.get("exception")
+    return ("PollerCompletionQueue._handle_events" in str(context.get("message", ""))
+            and isinstance(exception, RuntimeError) and str(exception) == "Event loop is closed")
