@@ -317,7 +317,8 @@ PyDoc_STRVAR(extend_doc,
 "no gallop applies, and the winning keyed cut's chain is held (``held_key``). ``ctx`` is\n"
 "(matcher, maxlen, grid, tail_probes, index_buffer, index_off, n_buckets, held_key,\n"
 "max_text_bytes). Returns (base, data, spans, tail, tail_from, kept_end, stable, keyed, keys,\n"
-"state_hasher, state_cut, exact_key, pos, key, container, tokens), or None: serve it in Python.");
+"state_hasher, state_cut, exact_key, pos, key, container, tokens, tail_chars), or None: serve it in\n"
+"Python.");
 
 static PyObject *py_extend(PyObject *self, PyObject *args) {
     PyObject *text, *recent, *ns, *ctx;
@@ -532,8 +533,18 @@ static PyObject *py_extend(PyObject *self, PyObject *args) {
         }
         if (floor < tail) goto none;
     }
-    result = Py_BuildValue("(OOOOnnnOOOnOnOOO)", base, data, spans, tail_list, tail_from, kept_end, stable, keyed,
-                           keys, state, last, exact, pos, key, PyTuple_GET_ITEM(held, 0), PyTuple_GET_ITEM(held, 1));
+    /* 9. The uncached tail's length in characters (UTF-8 lead bytes), so the caller need not
+     * decode it to count them: the tail encoder reuses this process's previous encoding. */
+    Py_ssize_t hit_start, tail_chars = 0;
+    {
+        Py_ssize_t ci, si;
+        if (as_ssize(PyList_GET_ITEM(keyed, pos), &ci) < 0 || span_at(spans, ci, &si, &hit_start) < 0) goto fail;
+        const unsigned char *d = (const unsigned char *)PyBytes_AS_STRING(data);
+        for (Py_ssize_t i = hit_start; i < total; i++) tail_chars += (d[i] & 0xC0) != 0x80;
+    }
+    result = Py_BuildValue("(OOOOnnnOOOnOnOOOn)", base, data, spans, tail_list, tail_from, kept_end, stable, keyed,
+                           keys, state, last, exact, pos, key, PyTuple_GET_ITEM(held, 0), PyTuple_GET_ITEM(held, 1),
+                           tail_chars);
     goto done;
 none:
     result = Py_NewRef(Py_None);
@@ -671,7 +682,7 @@ PyMODINIT_FUNC PyInit__speedups(void) {
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
     Py_INCREF(&MatcherType);
-    if (PyModule_AddIntConstant(m, "API", 2) < 0 || PyModule_AddObject(m, "Matcher", (PyObject *)&MatcherType) < 0) {
+    if (PyModule_AddIntConstant(m, "API", 3) < 0 || PyModule_AddObject(m, "Matcher", (PyObject *)&MatcherType) < 0) {
         Py_DECREF(&MatcherType);
         Py_DECREF(m);
         return NULL;

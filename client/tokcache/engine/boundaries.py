@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 # The added-token scan in C (``_speedups.c``: the same matches as the trie regex below) when
 # the extension was built. TOKCACHE_PURE_PYTHON=1 forces the regex (the tests compare both).
 def _load_native() -> Any:  # noqa: ANN401 - the extension module, or None
-    return native.load("tokcache.engine._speedups", 2)
+    return native.load("tokcache.engine._speedups", 3)
 
 
 _native: Any = _load_native()
@@ -150,7 +150,7 @@ class Encoded:
     cut_tokens: dict[int, int]
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # identity: the memo finds and drops *this* entry, not an equal one
 class Scan:
     """A scanned text: its boundary spans, and what the next scan of a text extending it needs.
 

@@ -350,8 +350,10 @@ class Lookup(Generic[Ids, Out]):
 
     def _serve(self, scan: Scan, keys: TextKeys, store: CacheView | None, ar: bool, hit: _Hit[Ids],
                decision: Decision, n_chars: int, add_special_tokens: bool, salt: str, tag: bytes, tier: bool,
-               t0: int) -> Result[Ids, Out]:
-        """Steps 2 and 3 once the hit is known: encode the tail, build the result and the write."""
+               t0: int, tail_chars: int | None = None) -> Result[Ids, Out]:
+        """Steps 2 and 3 once the hit is known: encode the tail, build the result and the write.
+        ``tail_chars``: the tail's length in characters when the caller counted it (then the
+        tail is decoded only if its encoding cannot reuse this process's previous one)."""
         t1 = time.perf_counter_ns()
         decision.timings["lookup"] = (t0, t1)
         data, spans, affixes = scan.data, scan.spans, self.model.affixes
@@ -365,7 +367,10 @@ class Lookup(Generic[Ids, Out]):
         # The cluster tier is asked only when nothing recorded applies here: a conversation
         # whose last output was recorded on this node needs nothing from elsewhere.
         ask = tier and store is not None and tag == MODE_KV_STABLE and decision.source != "ar"
-        tail_text = data[hit.start:].decode("utf-8") if hit.start else (scan.text or data.decode("utf-8"))
+        tail_text: str | None = None
+        if tail_chars is None:
+            tail_text = data[hit.start:].decode("utf-8") if hit.start else (scan.text or data.decode("utf-8"))
+            tail_chars = len(tail_text)
         tail = self._encode_tail(store if ar else None, scan, keys.keyed, tail_text, hit, salt, tag, ask)
         decision.timings["encode"] = (t1, time.perf_counter_ns())
         if tail.spliced:
@@ -375,8 +380,8 @@ class Lookup(Generic[Ids, Out]):
                 decision.source = "ar"
         if decision.source != "miss":
             decision.cached_tokens = hit.tokens
-            decision.cached_chars = n_chars - len(tail_text)
-        decision.encoded_chars = len(tail_text)
+            decision.cached_chars = n_chars - tail_chars
+        decision.encoded_chars = tail_chars
         decision.cached_bytes = hit.start
         decision.encoded_bytes = len(data) - hit.start
         more = self.fmt.from_list(tail.ids)
@@ -425,7 +430,7 @@ class Lookup(Generic[Ids, Out]):
         if got is None:
             return None
         (base, data, spans, tail, tail_from, kept_end, stable, keyed, keys_list, state_hasher, state_cut, exact,
-         pos, key, held, tokens) = got
+         pos, key, held, tokens, tail_chars) = got
         scan = self.model.scanner.keep(Scan(data, spans, tail, tail_from, kept_end, len(base.data), text, base=base,
                                             stable=stable))
         keys = TextKeys.from_state(data, spans, salt, tag, keyed, keys_list, exact, state_cut, state_hasher,
@@ -436,10 +441,11 @@ class Lookup(Generic[Ids, Out]):
         j = keyed[pos]
         hit: _Hit[Ids] = _Hit(held, tokens, spans[j][1], key, j + 1)
         return self._serve(scan, keys, store, False, hit, decision, len(text), add_special_tokens, salt, tag, False,
-                           t0)
+                           t0, tail_chars)
 
-    def _canonical_tail(self, scan: Scan, keyed: list[int], tail_text: str, start: int) -> list[int]:
-        """The canonical ids of ``tail_text`` (``scan.data[start:]``), reusing what this
+    def _canonical_tail(self, scan: Scan, keyed: list[int], tail_text: str | None, start: int) -> list[int]:
+        """The canonical ids of ``tail_text`` (``scan.data[start:]``; None: decoded here if
+        needed), reusing what this
         process encoded for the text ``scan`` extends: its ids from ``start`` (a cut within
         what it encoded) up to its last stable cut — safe boundaries, so the parts
         concatenate exactly — then only the text after that cut is encoded.
@@ -465,7 +471,7 @@ class Lookup(Generic[Ids, Out]):
                 at = {c: t - lo for c, t in memo.cut_tokens.items() if c >= start}
                 scan.encoded = Encoded(start, ids, _cut_tokens(scan, keyed, ids, id_of, cut, hi - lo, at))
                 return ids
-        ids = encoder.encode(tail_text)
+        ids = encoder.encode(tail_text if tail_text is not None else data[start:].decode("utf-8"))
         scan.encoded = Encoded(start, ids, _cut_tokens(scan, keyed, ids, id_of, start, 0, {start: 0}))
         return ids
 
@@ -601,7 +607,7 @@ class Lookup(Generic[Ids, Out]):
 
     # -- step 2: the tail ----------------------------------------------------------------
 
-    def _encode_tail(self, store: CacheView | None, scan: Scan, keyed: list[int], tail_text: str, hit: _Hit[Ids],
+    def _encode_tail(self, store: CacheView | None, scan: Scan, keyed: list[int], tail_text: str | None, hit: _Hit[Ids],
                      salt: str, tag: bytes, tier: bool = False) -> _Tail:
         """Encode ``data[hit.start:]`` piece by piece (body, boundary token), one native call;
         with a store, splice recorded outputs (segment AR).
