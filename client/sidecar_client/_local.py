@@ -303,8 +303,9 @@ class WriteBehind:
 
 
 def _left(deadline: float | None) -> float | None:
-    """Seconds until ``deadline`` (None: no deadline), never negative."""
-    return None if deadline is None else max(0.0, deadline - time.monotonic())
+    """Seconds until ``deadline`` (None: no deadline), never negative, at most what a lock
+    wait takes (a longer one raises OverflowError; a huge timeout is valid input)."""
+    return None if deadline is None else min(max(0.0, deadline - time.monotonic()), threading.TIMEOUT_MAX)
 
 
 def find_tokenizer_json(*candidates: str | Path | None) -> Path | None:

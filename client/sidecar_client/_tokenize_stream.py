@@ -124,7 +124,9 @@ class _Alarm:
                     continue
                 left = self._deadline - time.monotonic()
                 if left > 0:
-                    self._cond.wait(left)
+                    # A deadline years away (a huge timeout is valid input) still waits: a longer
+                    # wait raises OverflowError and would end this thread, and with it every deadline.
+                    self._cond.wait(min(left, threading.TIMEOUT_MAX))
                     continue
                 call, self._call, self._deadline, self._fired = self._call, None, None, True
                 call.cancel()  # wakes the caller's next(); cancel() never calls back into us
