@@ -18,6 +18,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -38,10 +39,40 @@ DEADLINE_S = 2.0
 MAX_MODEL_LEN = 8192
 
 
+_PORTS_GIVEN: set[int] = set()
+_PORTS_LOCK = threading.Lock()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port free now, outside the kernel's ephemeral range, never given out before in this process.
+
+    Not ``bind(0)``: that port is ephemeral, and the seconds until a vLLM binds it are
+    enough for another process's ``bind(0)`` (torch, ZMQ: every vLLM opens several) to take
+    it, or for a second ``free_port`` to return it again. Ports below the ephemeral range
+    are only ever bound by explicit request.
+    """
+    low, high = _ephemeral_range()
+    start, stop = (20000, low) if low > 21000 else (high + 1, 65536)
+    with _PORTS_LOCK:
+        for port in range(start + os.getpid() % 500, stop):
+            if port in _PORTS_GIVEN:
+                continue
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            _PORTS_GIVEN.add(port)
+            return port
+    raise RuntimeError(f"no free port in {start}-{stop - 1}")
 
 
 def _stop_group(proc: subprocess.Popen[bytes], sig: int, timeout: float) -> None:
@@ -142,12 +173,15 @@ class VllmServer:
         self.name = name
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.model = str(model_dir)
+        # The name requests use, and the one only this server serves: wait_ready checks that
+        # the server answering on the port is this one (not a neighbour that bound it first).
+        self.model = f"e2e-{name}-{uuid.uuid4().hex[:8]}"
         self.api_servers = api_servers
         self.log_path = workdir / f"vllm-{name}.log"
         common = ["--load-format", "dummy", "--dtype", "bfloat16", "--max-model-len", str(MAX_MODEL_LEN),
                   "--enable-prefix-caching", "--block-size", str(BLOCK_SIZE), "--enforce-eager",
-                  "--kv-cache-memory-bytes", str(KV_CACHE_BYTES), "--host", "127.0.0.1", "--port", str(self.port)]
+                  "--kv-cache-memory-bytes", str(KV_CACHE_BYTES), "--host", "127.0.0.1", "--port", str(self.port),
+                  "--served-model-name", self.model]
         if api_servers is None:
             self.cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                         *common, *args]
@@ -181,14 +215,24 @@ class VllmServer:
                 raise RuntimeError(f"vLLM {self.name} exited {self.proc.returncode}:\n{self.log_tail()}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        self.ready_s = time.monotonic() - self.started_at
-                        return self
+                    healthy = r.status == 200
+                if healthy:
+                    served = self._served_models()
+                    if self.model not in served:
+                        self.stop()
+                        raise RuntimeError(f"vLLM {self.name}: port {self.port} is answered by another server "
+                                           f"(serving {served}, not {self.model!r}):\n{self.log_tail()}")
+                    self.ready_s = time.monotonic() - self.started_at
+                    return self
             except (urllib.error.URLError, OSError):
                 pass
             time.sleep(0.5)
         self.stop()
         raise RuntimeError(f"vLLM {self.name} not ready in {timeout}s:\n{self.log_tail()}")
+
+    def _served_models(self) -> list[str]:
+        with urllib.request.urlopen(self.url + "/v1/models", timeout=10) as r:
+            return [str(m.get("id")) for m in json.loads(r.read()).get("data", [])]
 
     def log_tail(self, n: int = 8000) -> str:
         return self.log_path.read_text(errors="replace")[-n:] if self.log_path.exists() else ""
