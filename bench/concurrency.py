@@ -144,10 +144,18 @@ def _child(name: str, index: int, args: dict[str, Any], barrier: Any, out: Any) 
 
 
 def _proc_cpu_s(server: Any) -> float:
-    """CPU seconds (user + system) the server process has used so far; 0 without one."""
+    """CPU seconds (user + system) the server process has used so far; 0 without one.
+
+    Read from the process's CPU-time clock (Linux: ``clock_getcpuclockid``'s id for a pid,
+    nanoseconds); ``/proc/<pid>/stat`` counts whole clock ticks (10 ms), which rounds a short
+    run's server CPU (``--quick``: a few ms) to 0."""
     proc = getattr(server, "_proc", None)
     if proc is None:
         return 0.0
+    try:
+        return time.clock_gettime(((~proc.pid) << 3) | 2)  # MAKE_PROCESS_CPUCLOCK(pid, CPUCLOCK_SCHED)
+    except OSError:
+        pass
     try:
         fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
