@@ -135,7 +135,6 @@ class KeyState(NamedTuple):
 CHECKPOINT_CUTS = 16
 
 
-@functools.lru_cache(maxsize=64)
 @functools.lru_cache(maxsize=256)
 def root_hasher(salt: str, mode: bytes) -> Any:  # noqa: ANN401 - blake3's hasher type is untyped
     """A hasher fed the namespace header of (salt, mode): copy it, never update it.
