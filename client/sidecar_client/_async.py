@@ -69,7 +69,7 @@ class AsyncSidecarClient:
 
     async def _learn_call(self, req: pb.TokenizeRequest) -> None:
         try:
-            await self._stub.Tokenize(req, timeout=self.timeout, metadata=self._metadata or None)
+            await self._stub.Tokenize(req, timeout=_core.grpc_timeout(self.timeout), metadata=self._metadata or None)
         except (grpc.RpcError, asyncio.CancelledError):
             pass
 
@@ -193,7 +193,7 @@ class AsyncSidecarClient:
     async def _call(self, method: Any, req: Any, timeout: float | None,
                     metadata: Sequence[tuple[str, str]] = ()) -> Any:
         try:
-            return await method(req, timeout=timeout if timeout is not None else self.timeout,
+            return await method(req, timeout=_core.grpc_timeout(timeout if timeout is not None else self.timeout),
                                 metadata=(*self._metadata, *metadata) or None)
         except grpc.RpcError as exc:
             raise translate(exc) from exc

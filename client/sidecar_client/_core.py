@@ -19,9 +19,9 @@ from sidecar_client.errors import InvalidArgumentError
 from tokcache.ids import unpack_ids
 from tokcache.v1 import tokenizer_pb2 as pb
 
-__all__ = ["ADDRESS_ENV", "build_chat", "build_record", "build_records", "build_render", "build_tokenize",
-           "channel_target", "check_timeout", "check_tokenize", "default_address", "pack_ids", "read_models",
-           "read_tokenize", "record_kwargs", "unpack_ids"]
+__all__ = ["ADDRESS_ENV", "MAX_DEADLINE_S", "build_chat", "build_record", "build_records", "build_render",
+           "build_tokenize", "channel_target", "check_timeout", "check_tokenize", "default_address", "grpc_timeout",
+           "pack_ids", "read_models", "read_tokenize", "record_kwargs", "unpack_ids"]
 
 ADDRESS_ENV = "TOKCACHE_ADDRESS"
 DEFAULT_ADDRESS = "unix:///run/tokcache/tokcache.sock"
@@ -160,6 +160,18 @@ def reads_locally(local: bool, model: Any, text: Any, messages: Any, tools: Any,
                    add_special_tokens=add_special_tokens, cache_salt=cache_salt, mode=mode,
                    return_prompt_text=return_prompt_text)
     return True
+
+
+# gRPC turns a call's timeout into an absolute deadline in int64 nanoseconds: one past the
+# year ~2262 wraps into the past and the call fails at once with DEADLINE_EXCEEDED (a
+# timeout of 7.4e9 s did, on Python 3.10-3.13 alike). A valid timeout longer than this is
+# given to gRPC as no deadline, which is what anyone asking for decades means.
+MAX_DEADLINE_S = 1e9  # ~31.7 years
+
+
+def grpc_timeout(seconds: float | None) -> float | None:
+    """The timeout to hand gRPC for a call of ``seconds`` (None: no deadline)."""
+    return None if seconds is None or seconds > MAX_DEADLINE_S else seconds
 
 
 def check_timeout(timeout: float | None) -> None:

@@ -60,7 +60,7 @@ class SidecarClient:
         """Write-behind without write access: the sidecar tokenizes (and stores) the text."""
         req = pb.TokenizeRequest(model=model, text=text, cache_salt=salt, add_special_tokens=False,
                                  mode=pb.TOKENIZE_MODE_EXACT if mode == "exact" else pb.TOKENIZE_MODE_KV_STABLE)
-        self._stub.Tokenize.future(req, timeout=self.timeout, metadata=self._metadata or None)
+        self._stub.Tokenize.future(req, timeout=_core.grpc_timeout(self.timeout), metadata=self._metadata or None)
 
     def _local_result(self, model: str, text: str, add_special_tokens: bool | None, cache_salt: str | None,
                       mode: str | None) -> TokenizeResult | None:
@@ -173,7 +173,7 @@ class SidecarClient:
 
     def _call(self, method: Any, req: Any, timeout: float | None) -> Any:
         try:
-            return method(req, timeout=timeout if timeout is not None else self.timeout,
+            return method(req, timeout=_core.grpc_timeout(timeout if timeout is not None else self.timeout),
                           metadata=self._metadata or None)
         except grpc.RpcError as exc:
             raise translate(exc) from exc

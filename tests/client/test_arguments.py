@@ -679,6 +679,29 @@ def test_client_checks_needing_the_hook(call: Call, method: str, args: dict[str,
     assert exc.value.field == field
 
 
+# Found by test_client_raises_nothing_but_invalid_argument (timeout 7_427_832_909 on 3.12):
+# gRPC's deadline of a timeout that long overflowed into the past and every call failed at
+# once with DeadlineExceeded. Valid timeouts of any size now answer normally.
+@pytest.mark.parametrize("timeout", [_core.MAX_DEADLINE_S, 7_427_832_909, 1e10, 1e300, 2**70])
+def test_huge_timeouts_answer(call: Call, timeout: float) -> None:
+    hello = call("tokenize", model=MODEL, text="hello", timeout=timeout)
+    assert isinstance(hello, TokenizeResult) and hello.token_ids
+    assert isinstance(call("tokenize", model=MODEL, messages=HELLO, timeout=timeout), TokenizeResult)
+    assert "hello" in call("render", model=MODEL, messages=HELLO, timeout=timeout)
+    assert [m.name for m in call("list_models", timeout=timeout)] == [MODEL]
+    out = call("tokenize", model=MODEL, text=" there", add_special_tokens=False, timeout=timeout).token_ids
+    assert isinstance(call("record_output", model=MODEL, prompt_text="hello", prompt_token_ids=hello.token_ids,
+                           output_text=" there", output_token_ids=out, timeout=timeout), RecordResult)
+
+
+def test_grpc_timeout() -> None:
+    assert _core.grpc_timeout(None) is None
+    for kept in (0, 0.001, 30.0, _core.MAX_DEADLINE_S):
+        assert _core.grpc_timeout(kept) == kept
+    for unbounded in (_core.MAX_DEADLINE_S * 1.0001, 7_427_832_909, 1e300, 2**70):
+        assert _core.grpc_timeout(unbounded) is None
+
+
 @pytest.mark.parametrize("args", [{"tools": ""}, {"add_generation_prompt": None}, {"chat_template_kwargs": 1}])
 def test_in_process_path_checks_every_argument(sidecar: SidecarProcess, args: dict[str, Any]) -> None:
     with SidecarClient(sidecar.address) as client:
