@@ -446,8 +446,9 @@ class Lookup(Generic[Ids, Out]):
     def _canonical_tail(self, scan: Scan, keyed: list[int], tail_text: str | None, start: int) -> list[int]:
         """The canonical ids of ``tail_text`` (``scan.data[start:]``; None: decoded here if
         needed), reusing what this process encoded for the text ``scan`` extends: its ids
-        from ``start`` (a cut within what it encoded) up to its last stable cut — safe boundaries, so the parts
-        concatenate exactly — then only the text after that cut is encoded.
+        from ``start`` (a cut within what it encoded) up to its last stable cut — safe
+        boundaries, so the parts concatenate exactly — then only the text after that cut
+        is encoded.
 
         A conversation's hit stays at, or moves a few keyed cuts past, the last stored
         keyed cut while this process serves it: each turn encodes only what it appended,
