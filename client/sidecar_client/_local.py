@@ -38,6 +38,7 @@ from sidecar_client._models import CacheDecision, TokenizeResult
 from sidecar_client._telemetry import trace_local
 from sidecar_client.errors import InvalidArgumentError, ResourceExhaustedError
 from tokcache.engine.errors import InvalidRequest, RequestTooLarge
+from tokcache.engine.heads import Heads, Ready
 from tokcache.engine.ids import LISTS, Chunks
 from tokcache.engine.lookup import Limits, Lookup, PendingWrite, ReadModel, Result, TierNeeded, commit
 from tokcache.engine.memo import ChainMemo
@@ -100,12 +101,13 @@ Learn = Callable[[str, str, str, str], None]
 
 @dataclass
 class _Pending:
-    """One offered write; ``state``: 0 queued, 1 being written, 2 done."""
+    """One offered write and/or head to build; ``state``: 0 queued, 1 being written, 2 done."""
 
-    write: PendingWrite[Chunks]
+    write: PendingWrite[Chunks] | None
     text: str
     salt: str
     mode: str
+    ready: Ready[Chunks] | None = None
     state: int = 0
 
 
@@ -123,17 +125,20 @@ class WriteBehind:
     - else :meth:`flush` / :meth:`close`.
 
     Writes of one conversation land in the order offered (a turn's record chains to the
-    previous turn's), whoever stores them.
+    previous turn's), whoever stores them. It also builds the heads of the next turns
+    (``heads``: see :mod:`tokcache.engine.heads`), the same way: after the reply.
     """
 
     def __init__(self, model: str, store: Store | None, memo: ChainMemo[Chunks], learn: Learn | None,
-                 stats: LocalStats, bound: int = WRITE_QUEUE) -> None:
+                 stats: LocalStats, bound: int = WRITE_QUEUE,
+                 heads: Heads[Chunks, list[int]] | None = None) -> None:
         self._model = model
         self._store = store
         self._memo = memo
         self._learn = learn
         self._stats = stats
         self._bound = bound
+        self.heads: Heads[Chunks, list[int]] = heads if heads is not None else Heads(LISTS)
         # Guards _items (offered and not yet done, in offer order; their states), _busy,
         # _thread, _parked and _closed. _done is notified when a store ends (waiters for a
         # write); _work wakes the background thread, only when it is parked.
@@ -156,13 +161,22 @@ class WriteBehind:
         """True when no write is queued or in progress."""
         return not self._items
 
-    def offer(self, write: PendingWrite[Chunks], text: str, salt: str, mode: str) -> bool:
-        """Queue a write; False (counted as dropped) when the queue is full or closed."""
+    def offer(self, write: PendingWrite[Chunks] | None, text: str, salt: str, mode: str,
+              ready: Ready[Chunks] | None = None) -> bool:
+        """Queue a write (None: none) and a head to build; False when neither was queued
+        (a write is counted as dropped when the queue is full or closed, or nothing can
+        store it)."""
         with self._lock:
-            if self._closed or len(self._items) >= self._bound or (self._store is None and self._learn is None):
+            if write is not None and self._store is None and self._learn is None:
                 self._stats.writes["dropped"] += 1
+                write = None
+            if write is None and ready is None:
                 return False
-            self._items.append(_Pending(write, text, salt, mode))
+            if self._closed or len(self._items) >= self._bound:
+                if write is not None:
+                    self._stats.writes["dropped"] += 1
+                return False
+            self._items.append(_Pending(write, text, salt, mode, ready))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="tokcache-write-behind", daemon=True)
                 self._thread.start()
@@ -252,7 +266,10 @@ class WriteBehind:
         writer lock was not had within ``lock_timeout``). Never raises."""
         done = True
         try:
-            done = self._write(item.write, item.text, item.salt, item.mode, lock_timeout)
+            if item.write is not None:
+                done = self._write(item.write, item.text, item.salt, item.mode, lock_timeout)
+            if done and item.ready is not None:
+                self.heads.build(item.ready)
         except Exception:  # never let one write end a thread or fail a request
             log.exception("tokcache: write-behind failed")
             self._stats.writes["failed"] += 1
@@ -341,7 +358,7 @@ class LocalModel:
         self.fingerprint = model.fingerprint
         self.backend = model.encoder.name
         self.memo = memo
-        self.lookup: Lookup[Chunks, list[int]] = Lookup(model, reader, memo, limits)
+        self.lookup: Lookup[Chunks, list[int]] = Lookup(model, reader, memo, limits, heads=writer.heads)
         self.writer = writer
         self._writable = writable
         self._manifest_raw = manifest_raw
@@ -431,11 +448,11 @@ class LocalModel:
         result = self.lookup.tokenize(text, add_special_tokens=add_special_tokens, salt=salt, mode=mode,
                                       tier=self.tier)
         write = result.write
-        if write is not None:
-            if write.decision.encoded_bytes >= self.min_write_bytes:
-                self.writer.offer(write, text, salt, mode)
-            else:
-                self.writer.skip()
+        if write is not None and write.decision.encoded_bytes < self.min_write_bytes:
+            self.writer.skip()
+            write = None
+        if write is not None or result.ready is not None:
+            self.writer.offer(write, text, salt, mode, result.ready)
         return result
 
     def close(self) -> None:

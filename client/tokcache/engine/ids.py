@@ -49,6 +49,11 @@ class IdFormat(Generic[Ids, Out]):
         """What a caller gets: ``prefix + ids[:n] + suffix``, which it owns."""
         raise NotImplementedError
 
+    def finish(self, head: Out, ids: list[int], skip: int, suffix: tuple[int, ...] = ()) -> Out:
+        """``head + ids[skip:] + suffix``, in ``head`` where it can grow (a caller's own
+        container: see :mod:`tokcache.engine.heads`)."""
+        raise NotImplementedError
+
     def compact(self, ids: Ids) -> Ids:
         """``ids`` in the container cheapest to read from (for a memo entry; write path)."""
         return ids
@@ -86,6 +91,11 @@ class BytesFormat(IdFormat[bytes, bytes]):
         from tokcache.ids import pack_ids
 
         return pack_ids(prefix) + body + pack_ids(suffix)
+
+    def finish(self, head: bytes, ids: list[int], skip: int, suffix: tuple[int, ...] = ()) -> bytes:
+        from tokcache.ids import pack_ids
+
+        return head + pack_ids(ids[skip:]) + pack_ids(suffix)
 
     def to_u32(self, ids: bytes, n: int) -> bytes:
         return ids if len(ids) == 4 * n else ids[: 4 * n]
@@ -170,6 +180,12 @@ class ListFormat(IdFormat["Chunks", list[int]]):
         if suffix:
             out.extend(suffix)
         return out
+
+    def finish(self, head: list[int], ids: list[int], skip: int, suffix: tuple[int, ...] = ()) -> list[int]:
+        head += ids[skip:] if skip else ids
+        if suffix:
+            head.extend(suffix)
+        return head
 
     def compact(self, ids: Chunks) -> Chunks:
         """One list once ids are in more than COMPACT_PARTS parts: a result copies a few

@@ -37,6 +37,7 @@ from tokcache.engine.affixes import Affixes
 from tokcache.engine.boundaries import BoundaryScanner, Encoded, Scan
 from tokcache.engine.encoder import Encoder
 from tokcache.engine.errors import InvalidRequest, RequestTooLarge
+from tokcache.engine.heads import Heads, Ready
 from tokcache.engine.ids import IdFormat, Ids, Out
 from tokcache.engine.memo import ChainMemo
 from tokcache.ids import pack_ids, unpack_ids
@@ -245,6 +246,8 @@ class Result(Generic[Ids, Out]):
     ids: Out
     decision: Decision
     write: PendingWrite[Ids] | None = None
+    # The next turn's head, for whoever runs the write path to build (see tokcache.engine.heads).
+    ready: Ready[Ids] | None = None
 
 
 @dataclass
@@ -261,20 +264,23 @@ class _Hit(Generic[Ids]):
 
 
 @dataclass
-class _Tail:
+class _Tail(Generic[Out]):
     """Step 2's answer: the tail's ids, the tokens after each piece (None: not computed),
-    spliced AR tokens."""
+    spliced AR tokens, and when a head was taken (see tokcache.engine.heads) the caller's
+    container of the hit's ids and the first ``in_head`` of ``ids``."""
 
     ids: list[int]
     ends: list[int] | None
     spliced: int
+    head: Out | None = None
+    in_head: int = 0
 
 
 class Lookup(Generic[Ids, Out]):
     """Tokenize through one segment. Thread-safe; one per (model, process)."""
 
     def __init__(self, model: ReadModel, store: CacheView | None, memo: ChainMemo[Ids],
-                 limits: Limits | None = None) -> None:
+                 limits: Limits | None = None, heads: Heads[Ids, Out] | None = None) -> None:
         self.model = model
         self.store = store
         self.memo: ChainMemo[Ids] = memo
@@ -282,6 +288,8 @@ class Lookup(Generic[Ids, Out]):
         self.limits = limits or Limits()
         # (store, the native fast path's context for it): see _extend.
         self._fast_ctx: tuple[CacheView, tuple[Any, ...]] | None = None
+        # The next turns' heads, built by whoever runs the write path (Result.ready).
+        self.heads: Heads[Ids, Out] = heads if heads is not None else Heads(self.fmt)
 
     # -- the request path ----------------------------------------------------------------
 
@@ -387,13 +395,26 @@ class Lookup(Generic[Ids, Out]):
         more = self.fmt.from_list(tail.ids)
         full = more if hit.ids is None else self.fmt.grow(hit.ids, hit.tokens, more)
         n_full = hit.tokens + len(tail.ids)
+        enc = scan.encoded
+        if enc is not None and enc.ids is not tail.ids:
+            enc = None  # kept only when the tail is its text's plain encoding
         write = None
         if store is not None:
-            enc = scan.encoded
             write = PendingWrite(hit.parent, hit.tokens, tail.ids, keys, hit.first_new, len(spans), tail.ends, full,
-                                 decision, self.model.boundary_id_of,
-                                 enc.cut_tokens if enc is not None and enc.ids is tail.ids else None)
-        return Result(self.fmt.result(full, n_full, prefix, suffix), decision, write)
+                                 decision, self.model.boundary_id_of, enc.cut_tokens if enc is not None else None)
+        ready = None
+        if enc is not None and not ar and scan.stable:
+            # Nothing recorded applies (see tokcache.engine.heads): the next turn's head is
+            # this text's ids up to its last stable cut.
+            last = spans[scan.stable - 1][1]
+            at = enc.cut_tokens.get(last)
+            if at is not None:
+                ready = Ready(scan, last, full, hit.tokens + at)
+        if tail.head is not None and not prefix:
+            out = self.fmt.finish(tail.head, tail.ids, tail.in_head, suffix)
+        else:
+            out = self.fmt.result(full, n_full, prefix, suffix)
+        return Result(out, decision, write, ready)
 
     def _extend(self, text: str, *, add_special_tokens: bool, salt: str, mode: str,
                 tier: bool) -> Result[Ids, Out] | None:
@@ -443,7 +464,8 @@ class Lookup(Generic[Ids, Out]):
         return self._serve(scan, keys, store, False, hit, decision, len(text), add_special_tokens, salt, tag, False,
                            t0, tail_chars)
 
-    def _canonical_tail(self, scan: Scan, keyed: list[int], tail_text: str | None, start: int) -> list[int]:
+    def _canonical_tail(self, scan: Scan, keyed: list[int], tail_text: str | None, start: int,
+                        head_at: int | None = None) -> tuple[list[int], Out | None, int]:
         """The canonical ids of ``tail_text`` (``scan.data[start:]``; None: decoded here if
         needed), reusing what this process encoded for the text ``scan`` extends: its ids
         from ``start`` (a cut within what it encoded) up to its last stable cut — safe
@@ -456,6 +478,11 @@ class Lookup(Generic[Ids, Out]):
         recorded applies), whose ids depend on the text alone. Records where the keyed
         cuts and the last stable cut fall in the ids (for the next turn, and this turn's
         write).
+
+        ``head_at``: the tokens before ``start``, given when nothing recorded applies to
+        this request; then the head the text ``scan`` extends left (see tokcache.engine.heads)
+        is taken, if any, and returned second: the caller's container of the ids before the
+        last stable cut, whose last ones are the first of the returned ids (how many: third).
         """
         encoder = self.model.encoder
         id_of = self.model.boundary_id_of
@@ -466,14 +493,15 @@ class Lookup(Generic[Ids, Out]):
             cut = base.spans[base.stable - 1][1]
             lo, hi = memo.cut_tokens.get(start), memo.cut_tokens.get(cut)
             if start < cut and lo is not None and hi is not None:
+                head = None if head_at is None else self.heads.take(base, cut, head_at + hi - lo)
                 ids = memo.ids[lo:hi]
                 ids += encoder.encode(data[cut:].decode("utf-8"))
                 at = {c: t - lo for c, t in memo.cut_tokens.items() if c >= start}
                 scan.encoded = Encoded(start, ids, _cut_tokens(scan, keyed, ids, id_of, cut, hi - lo, at))
-                return ids
+                return ids, head, hi - lo
         ids = encoder.encode(tail_text if tail_text is not None else data[start:].decode("utf-8"))
         scan.encoded = Encoded(start, ids, _cut_tokens(scan, keyed, ids, id_of, start, 0, {start: 0}))
-        return ids
+        return ids, None, 0
 
     # -- step 1: the hit -----------------------------------------------------------------
 
@@ -608,7 +636,7 @@ class Lookup(Generic[Ids, Out]):
     # -- step 2: the tail ----------------------------------------------------------------
 
     def _encode_tail(self, store: CacheView | None, scan: Scan, keyed: list[int], tail_text: str | None, hit: _Hit[Ids],
-                     salt: str, tag: bytes, tier: bool = False) -> _Tail:
+                     salt: str, tag: bytes, tier: bool = False) -> _Tail[Out]:
         """Encode ``data[hit.start:]`` piece by piece (body, boundary token), one native call;
         with a store, splice recorded outputs (segment AR).
 
@@ -621,7 +649,9 @@ class Lookup(Generic[Ids, Out]):
         if store is None and self.model.boundary_ids and not tier:
             # The cuts are safe boundaries, so the tail encodes in one call; where each
             # cut falls is found from the boundary ids on the write path, if ever needed.
-            return _Tail(self._canonical_tail(scan, keyed, tail_text, hit.start), None, 0)
+            # Nothing recorded applies here (no store is given then): a head may serve.
+            ids, head, in_head = self._canonical_tail(scan, keyed, tail_text, hit.start, hit.tokens)
+            return _Tail(ids, None, 0, head, in_head)
         pieces: list[tuple[bytes, bytes]] = []
         a = hit.start
         for s_i, e_i in spans[hit.first_new:]:
@@ -652,7 +682,7 @@ class Lookup(Generic[Ids, Out]):
                 raise TierNeeded(candidates)
         if not splices:
             if self.model.boundary_ids:
-                return _Tail(self._canonical_tail(scan, keyed, tail_text, hit.start), None, 0)
+                return _Tail(self._canonical_tail(scan, keyed, tail_text, hit.start)[0], None, 0)
             flat, ends = encoder.encode_pieces([(b + t).decode("utf-8") for b, t in pieces])
             return _Tail(flat, ends, 0)
         # Spliced pieces are encoded as two texts (header, token) around the recorded ids.

@@ -4,7 +4,10 @@ against the Python it replaces (``lookup.py`` with ``_native`` off: the referenc
 Two client lookups read the same segment, one with the native path and one without, each
 with its own memo: along long chats (exact and kv-stable, with and without special tokens,
 a salt, rewritten turns) they return the same ids, the same decision and the same pending
-write, and the native path does serve most turns (else this would test nothing).
+write, and the native path does serve most turns (else this would test nothing). The native
+side also builds the next turn's head after each reply (as a client's write-behind does:
+``tokcache.engine.heads``) and hands its caller a list the caller then mutates; the
+reference builds none.
 """
 
 from __future__ import annotations
@@ -22,8 +25,9 @@ from tokcache.engine.ids import LISTS, Chunks
 from tokcache.engine.lookup import Lookup, ReadModel, _cut_tokens, commit
 from tokcache.engine.memo import ChainMemo
 from tokcache.engine.tokenizer import Manifest, from_manifest
+from tokcache.ids import pack_ids
 from tokcache.sidecar.engine.model import ModelEngine
-from tokcache.store import Store, StoreReader
+from tokcache.store import Kind, Store, StoreReader
 
 pytestmark = pytest.mark.skipif(lookup_mod._native is None, reason="the native extension is not built")
 
@@ -66,6 +70,16 @@ def engine(request: pytest.FixtureRequest) -> ModelEngine:
 @pytest.fixture(scope="module")
 def model(engine: ModelEngine) -> Iterator[ReadModel]:
     """The client's ReadModel, from the manifest a segment publishes."""
+    yield from _read_model(engine)
+
+
+@pytest.fixture(scope="module")
+def own_model(engine: ModelEngine) -> Iterator[ReadModel]:
+    """Another, with a scan memo of its own (a head continues the scan its process filed)."""
+    yield from _read_model(engine)
+
+
+def _read_model(engine: ModelEngine) -> Iterator[ReadModel]:
     store = Store.open(prefix=f"tkt-fast-{uuid.uuid4().hex[:8]}", fingerprint=engine.fingerprint, size=4 << 20,
                        id_bytes=3)
     engine.store = store
@@ -84,8 +98,8 @@ def model(engine: ModelEngine) -> Iterator[ReadModel]:
 
 @pytest.mark.parametrize("mode,add,salt", [("exact", False, ""), ("exact", True, "t"), ("kv-stable", False, ""),
                                            ("kv-stable", True, "tenant")])
-def test_native_and_python_paths_agree_along_long_chats(engine: ModelEngine, model: ReadModel, mode: str,
-                                                        add: bool, salt: str,
+def test_native_and_python_paths_agree_along_long_chats(engine: ModelEngine, model: ReadModel, own_model: ReadModel,
+                                                        mode: str, add: bool, salt: str,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     store = Store.open(prefix=f"tkt-fast-{uuid.uuid4().hex[:8]}", fingerprint=engine.fingerprint, size=16 << 20,
                        id_bytes=3)
@@ -95,7 +109,7 @@ def test_native_and_python_paths_agree_along_long_chats(engine: ModelEngine, mod
     try:
         fast_memo: ChainMemo[Chunks] = ChainMemo(LISTS)
         ref_memo: ChainMemo[Chunks] = ChainMemo(LISTS)
-        fast: Lookup[Chunks, list[int]] = Lookup(model, reader, fast_memo)
+        fast: Lookup[Chunks, list[int]] = Lookup(own_model, reader, fast_memo)
         ref: Lookup[Chunks, list[int]] = Lookup(model, reader, ref_memo)
         rng = random.Random(f"{engine.name}-{mode}-{add}")
         msgs: list[dict[str, Any]] = [{"role": "system", "content": _para(rng, 200)}]
@@ -108,6 +122,9 @@ def test_native_and_python_paths_agree_along_long_chats(engine: ModelEngine, mod
             want = ref.tokenize(text, add_special_tokens=add, salt=salt, mode=mode)
             monkeypatch.setattr(lookup_mod, "_native", counting)
             assert got.ids == want.ids, (turn, got.decision, want.decision)
+            if got.ready is not None:  # after the reply, as the write-behind does
+                fast.heads.build(got.ready)
+            assert want.ready is None or want.ready.tokens <= len(want.ids)
             for name in ("source", "cached_tokens", "cached_chars", "encoded_chars", "boundaries", "l0_hit",
                          "l1_hit", "ar_spliced_tokens"):
                 assert getattr(got.decision, name) == getattr(want.decision, name), (turn, name)
@@ -124,12 +141,18 @@ def test_native_and_python_paths_agree_along_long_chats(engine: ModelEngine, mod
                 if ref_ is not None:
                     ref_memo.put(ref_, ref_memo.fmt.compact(want.write.full),
                                  {e[0]: e[1] + ref_.n - len(want.write.ids) for e in want.write.entries()})
+            got.ids.append(-1)  # the caller's own list: nothing the lookup keeps changes
+            got.ids[0] = -2
             answer = _para(rng, rng.randint(5, 120))
             if turn % 7 == 6:  # a rewritten history: the next text extends none of the latest
                 msgs[1]["content"] += " (edited)"
             msgs.append({"role": "assistant", "content": answer})
-        # The native path served the steady state, not a turn or two.
+        # The native path served the steady state, not a turn or two; so did heads, where
+        # the caller's list has no prefix token before them.
         assert counting.served >= turns // 2, (counting.served, counting.calls)
+        if not (add and model.affixes.prefix):
+            assert fast.heads.used >= turns // 3, (fast.heads.built, fast.heads.used)
+        assert ref.heads.used == 0
     finally:
         reader.close()
         store.unlink()
@@ -186,3 +209,38 @@ def test_a_stale_build_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(ext, "API", ext.API - 1)
         with pytest.warns(RuntimeWarning, match="stale build"):
             assert load() is None
+
+
+@pytest.mark.parametrize("mode", ["exact", "kv-stable"])
+def test_no_head_where_a_recorded_output_may_apply(engine: ModelEngine, model: ReadModel, mode: str) -> None:
+    """Once the segment has held an AR record, kv-stable requests neither leave nor take
+    heads (their ids may hold recorded outputs, not the text's plain encoding); exact ones do."""
+    store = Store.open(prefix=f"tkt-fast-{uuid.uuid4().hex[:8]}", fingerprint=engine.fingerprint, size=16 << 20,
+                       id_bytes=3)
+    reader = StoreReader.attach_name(store.name)
+    try:
+        assert store.put(None, 0, pack_ids([1, 2]), [(b"\x01" * 16, 2)], Kind.AR) is not None
+        assert reader.holds_ar()
+        lk: Lookup[Chunks, list[int]] = Lookup(model, reader, ChainMemo(LISTS))
+        rng = random.Random(f"{engine.name}-ar-{mode}")
+        msgs: list[dict[str, Any]] = [{"role": "system", "content": _para(rng, 200)}]
+        readies = 0
+        for turn in range(8):
+            msgs.append({"role": "user", "content": _para(rng, rng.randint(200, 400))})
+            text = engine.render(msgs, add_generation_prompt=True)
+            got = lk.tokenize(text, add_special_tokens=False, mode=mode)
+            assert got.ids == engine.reference.encode(text), turn
+            if got.ready is not None:
+                readies += 1
+                lk.heads.build(got.ready)
+            if got.write is not None:
+                commit(store, lk.memo, got.write)
+            msgs.append({"role": "assistant", "content": _para(rng, 40)})
+        if mode == "exact":
+            assert readies >= 4 and lk.heads.used >= 3, (readies, lk.heads.used)
+        else:
+            assert readies == 0 and lk.heads.used == 0
+    finally:
+        reader.close()
+        store.unlink()
+        store.close()

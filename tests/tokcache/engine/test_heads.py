@@ -1,0 +1,95 @@
+"""Heads (``tokcache.engine.heads``): a head is taken once, only for the cut and length it
+was built for, and the heads of a process stay within their budget, oldest dropped first."""
+
+from __future__ import annotations
+
+import threading
+
+from tokcache.engine.boundaries import Scan
+from tokcache.engine.heads import Heads, Ready
+from tokcache.engine.ids import BYTES, LISTS, Chunks
+from tokcache.ids import pack_ids
+
+
+def _scan() -> Scan:
+    return Scan(b"", [], [], 0, 0)
+
+
+def _ready(scan: Scan, ids: list[int], tokens: int, cut: int = 10) -> Ready[Chunks]:
+    return Ready(scan, cut, LISTS.from_list(ids), tokens)
+
+
+def test_a_head_is_the_prefix_and_the_takers_own() -> None:
+    heads: Heads[Chunks, list[int]] = Heads(LISTS)
+    s = _scan()
+    ids = [5, 6, 7, 8]
+    heads.build(_ready(s, ids, 3))
+    got = heads.take(s, 10, 3)
+    assert got == [5, 6, 7]
+    assert got is not ids
+    got.append(99)  # the taker's: the ids it was built from are untouched
+    assert ids == [5, 6, 7, 8]
+    assert heads.take(s, 10, 3) is None  # taken once
+    assert (heads.built, heads.used, len(heads)) == (1, 1, 0)
+
+
+def test_a_head_for_another_cut_or_length_is_not_used() -> None:
+    heads: Heads[Chunks, list[int]] = Heads(LISTS)
+    a, b = _scan(), _scan()
+    heads.build(_ready(a, [1, 2, 3], 3, cut=10))
+    heads.build(_ready(b, [1, 2, 3], 3, cut=10))
+    assert heads.take(a, 11, 3) is None
+    assert heads.take(b, 10, 2) is None
+    assert heads.take(_scan(), 10, 3) is None  # an equal scan is not the same one
+    assert heads.used == 0 and len(heads) == 0
+
+
+def test_heads_stay_within_their_budget_oldest_first() -> None:
+    heads: Heads[Chunks, list[int]] = Heads(LISTS, budget=10)
+    scans = [_scan() for _ in range(4)]
+    for s in scans:
+        heads.build(_ready(s, list(range(4)), 4))
+    assert len(heads) == 2  # 4 + 4 <= 10 < 12
+    assert heads.take(scans[0], 10, 4) is None and heads.take(scans[1], 10, 4) is None
+    assert heads.take(scans[3], 10, 4) == [0, 1, 2, 3]
+    heads.build(_ready(_scan(), list(range(11)), 11))  # over the budget alone: not kept
+    assert len(heads) == 1
+
+
+def test_rebuilding_a_scans_head_replaces_it() -> None:
+    heads: Heads[Chunks, list[int]] = Heads(LISTS, budget=10)
+    s = _scan()
+    heads.build(_ready(s, [1, 2, 3], 3))
+    heads.build(_ready(s, [1, 2, 3, 4], 4, cut=12))
+    assert len(heads) == 1
+    assert heads.take(s, 12, 4) == [1, 2, 3, 4]
+
+
+def test_one_taker_among_threads() -> None:
+    heads: Heads[Chunks, list[int]] = Heads(LISTS)
+    s = _scan()
+    heads.build(_ready(s, list(range(1000)), 1000))
+    got: list[object] = []
+    start = threading.Barrier(8)
+
+    def take() -> None:
+        start.wait()
+        got.append(heads.take(s, 10, 1000))
+
+    threads = [threading.Thread(target=take) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sum(g is not None for g in got) == 1
+
+
+def test_bytes_heads_finish_like_lists() -> None:
+    heads: Heads[bytes, bytes] = Heads(BYTES)
+    s = _scan()
+    heads.build(Ready(s, 4, pack_ids([1, 2, 3, 4]), 3))
+    head = heads.take(s, 4, 3)
+    assert head == pack_ids([1, 2, 3])
+    assert BYTES.finish(head, [3, 9], 1, (7,)) == pack_ids([1, 2, 3, 9, 7])
+    assert LISTS.finish([1, 2, 3], [3, 9], 1, (7,)) == [1, 2, 3, 9, 7]
+    assert LISTS.finish([1, 2, 3], [9], 0) == [1, 2, 3, 9]
