@@ -11,7 +11,9 @@ text at the last turn) and, turn by turn, has every contender tokenize the same 
 - ``tokcache``        tokcache's default client (``SidecarClient``): reads the sidecar's shared
                       memory in this process, no RPC; what a read learned is stored by the
                       client's background writer after the call (outside the timed call; the
-                      time it took is recorded as ``write_us``)
+                      time it took is recorded as ``write_us``), which also copies the next
+                      turn's head (``tokcache.engine.heads``); ``--heads-device`` adds
+                      ``tokcache-no-heads``, the same with heads switched off
 - ``tokcache-rpc``    the same over gRPC on a unix socket (``zero_rpc=False``: its
                       ``TokenizeStream``); ``--rpc-devices`` adds ``tokcache-rpc-unary``, the
                       same with the stream switched off (unary ``Tokenize`` calls)
@@ -152,6 +154,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--rpc-devices", action="store_true",
                     help="also run tokcache-rpc over the unary Tokenize (what the TokenizeStream saves)")
     ap.add_argument("--no-rpc", action="store_true", help="skip the tokcache RPC contenders")
+    ap.add_argument("--heads-device", action="store_true",
+                    help="also run tokcache-no-heads: the in-process read with its heads off (what heads save)")
     ap.add_argument("--long", action="store_true",
                     help="1 conversation of 100 turns to ~800 KB; summary over the last 10 turns")
     ap.add_argument("--order", choices=("shuffle", "rotate"), default="shuffle",
@@ -187,6 +191,8 @@ def build_contenders(
     if not args.no_tokcache:
         tc = TokcacheContender(tok_dir, args.out_dir, add)
         entries.append(Entry(tc))
+        if args.heads_device:
+            entries.append(Entry(TokcacheContender(tok_dir, args.out_dir, add, heads=False, name="tokcache-no-heads")))
         if not args.no_rpc:
             rpc = TokcacheContender(tok_dir, args.out_dir, add, zero_rpc=False, stream=not args.unary)
             entries += [Entry(rpc), Entry(TokcacheFloor(rpc))]
@@ -527,7 +533,7 @@ def summarise(
                 pass
     summ = {k: v["summary_turns_ge2"] for k, v in res["contenders"].items() if v["summary_turns_ge2"]["n"]}
     ratios: dict[str, dict[str, float]] = {}
-    nums = ("tokcache", "tokcache-rpc", "tokcache-rpc-unary", "smg")
+    nums = ("tokcache", "tokcache-no-heads", "tokcache-rpc", "tokcache-rpc-unary", "smg")
     for num in nums:
         if num not in summ:
             continue

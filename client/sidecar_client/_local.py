@@ -38,7 +38,7 @@ from sidecar_client._models import CacheDecision, TokenizeResult
 from sidecar_client._telemetry import trace_local
 from sidecar_client.errors import InvalidArgumentError, ResourceExhaustedError
 from tokcache.engine.errors import InvalidRequest, RequestTooLarge
-from tokcache.engine.heads import Heads, Ready
+from tokcache.engine.heads import Heads
 from tokcache.engine.ids import LISTS, Chunks
 from tokcache.engine.lookup import Limits, Lookup, PendingWrite, ReadModel, Result, TierNeeded, commit
 from tokcache.engine.memo import ChainMemo
@@ -101,13 +101,12 @@ Learn = Callable[[str, str, str, str], None]
 
 @dataclass
 class _Pending:
-    """One offered write and/or head to build; ``state``: 0 queued, 1 being written, 2 done."""
+    """One offered write; ``state``: 0 queued, 1 being written, 2 done."""
 
-    write: PendingWrite[Chunks] | None
+    write: PendingWrite[Chunks]
     text: str
     salt: str
     mode: str
-    ready: Ready[Chunks] | None = None
     state: int = 0
 
 
@@ -125,8 +124,9 @@ class WriteBehind:
     - else :meth:`flush` / :meth:`close`.
 
     Writes of one conversation land in the order offered (a turn's record chains to the
-    previous turn's), whoever stores them. It also builds the heads of the next turns
-    (``heads``: see :mod:`tokcache.engine.heads`), the same way: after the reply.
+    previous turn's), whoever stores them. Between writes, the background thread (and
+    :meth:`flush`) builds the heads requests offered (``heads``: see
+    :mod:`tokcache.engine.heads`); a request never does, nor waits for one.
     """
 
     def __init__(self, model: str, store: Store | None, memo: ChainMemo[Chunks], learn: Learn | None,
@@ -161,31 +161,31 @@ class WriteBehind:
         """True when no write is queued or in progress."""
         return not self._items
 
-    def offer(self, write: PendingWrite[Chunks] | None, text: str, salt: str, mode: str,
-              ready: Ready[Chunks] | None = None) -> bool:
-        """Queue a write (None: none) and a head to build; False when neither was queued
-        (a write is counted as dropped when the queue is full or closed, or nothing can
-        store it)."""
+    def offer(self, write: PendingWrite[Chunks], text: str, salt: str, mode: str) -> bool:
+        """Queue a write; False (counted as dropped) when the queue is full or closed."""
         with self._lock:
-            if write is not None and self._store is None and self._learn is None:
+            if self._closed or len(self._items) >= self._bound or (self._store is None and self._learn is None):
                 self._stats.writes["dropped"] += 1
-                write = None
-            if write is None and ready is None:
                 return False
-            if self._closed or len(self._items) >= self._bound:
-                if write is not None:
-                    self._stats.writes["dropped"] += 1
-                return False
-            self._items.append(_Pending(write, text, salt, mode, ready))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="tokcache-write-behind", daemon=True)
-                self._thread.start()
-            elif self._parked:
-                # Woken only from a park: while offers keep coming the thread looks on its
-                # own every WRITER_TICK_S, and an offer costs no wake-up (a futex call and
-                # a GIL hand-off inside the caller's request).
-                self._work.notify()
+            self._items.append(_Pending(write, text, salt, mode))
+            self._wake()
         return True
+
+    def poke(self) -> None:
+        """Have the background thread build the heads offered (see :meth:`_wake`)."""
+        with self._lock:
+            if not self._closed:
+                self._wake()
+
+    def _wake(self) -> None:
+        """Lock held: start the background thread, or wake it from a park. Woken only from a
+        park: while requests keep coming it looks on its own every WRITER_TICK_S, and a
+        request costs no wake-up (a futex call and a GIL hand-off inside the caller's request)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="tokcache-write-behind", daemon=True)
+            self._thread.start()
+        elif self._parked:
+            self._work.notify()
 
     def skip(self) -> None:
         """Count a write not offered (its tail was short: MIN_WRITE_BYTES)."""
@@ -199,6 +199,7 @@ class WriteBehind:
             pass
         if got is False:
             return False
+        self.heads.build_pending()
         with self._lock:
             return self._done.wait_for(lambda: not self._items, _left(deadline))
 
@@ -244,7 +245,7 @@ class WriteBehind:
             with self._lock:
                 while True:
                     item = None if self._busy else next((i for i in self._items if i.state == 0), None)
-                    if item is not None:
+                    if item is not None or self.heads.pending:
                         break
                     if self._closed:
                         return
@@ -256,20 +257,21 @@ class WriteBehind:
                     else:
                         self._work.wait(WRITER_TICK_S)
                         idle += 1
-                item.state = 1
-                self._busy = True
+                if item is not None:
+                    item.state = 1
+                    self._busy = True
             idle = 0
-            self._store_one(item)
+            if item is not None:
+                self._store_one(item)
+            else:
+                self.heads.build_pending()
 
     def _store_one(self, item: _Pending, lock_timeout: float | None = None) -> None:
         """Store one taken item (state 1), then mark it done (or queued again when the
         writer lock was not had within ``lock_timeout``). Never raises."""
         done = True
         try:
-            if item.write is not None:
-                done = self._write(item.write, item.text, item.salt, item.mode, lock_timeout)
-            if done and item.ready is not None:
-                self.heads.build(item.ready)
+            done = self._write(item.write, item.text, item.salt, item.mode, lock_timeout)
         except Exception:  # never let one write end a thread or fail a request
             log.exception("tokcache: write-behind failed")
             self._stats.writes["failed"] += 1
@@ -448,11 +450,13 @@ class LocalModel:
         result = self.lookup.tokenize(text, add_special_tokens=add_special_tokens, salt=salt, mode=mode,
                                       tier=self.tier)
         write = result.write
-        if write is not None and write.decision.encoded_bytes < self.min_write_bytes:
-            self.writer.skip()
-            write = None
-        if write is not None or result.ready is not None:
-            self.writer.offer(write, text, salt, mode, result.ready)
+        if write is not None:
+            if write.decision.encoded_bytes >= self.min_write_bytes:
+                self.writer.offer(write, text, salt, mode)
+            else:
+                self.writer.skip()
+        if result.ready is not None and self.lookup.heads.offer(result.ready):
+            self.writer.poke()
         return result
 
     def close(self) -> None:

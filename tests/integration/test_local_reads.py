@@ -18,6 +18,7 @@ import textwrap
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import tokenizers
@@ -440,3 +441,50 @@ def test_a_short_uncached_tail_stores_nothing_and_costs_no_re_encoding(
         # Uncached tails grew over turns between stores (past one turn's), and shrank after each.
         assert max(uncached[1:]) > 1.5 * min(uncached[1:]), uncached
         assert any(b < a for a, b in zip(uncached, uncached[1:], strict=False)), uncached
+
+
+def test_heads_built_after_the_reply_serve_the_next_turn_and_are_the_callers(
+        sidecar: tuple[SidecarProcess, int], qwen3_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """tokcache.engine.heads: a turn's ids up to its last stable cut are copied after the reply
+    (here by flush, as the write-behind does between turns) and the next turn hands that
+    list, extended, to its caller; the caller may change it. Back to back, a request never
+    builds a head (the next turn copies its ids itself), and the ids are the same."""
+    import threading
+
+    from sidecar_client import _local
+    from tokcache.engine.heads import Heads
+
+    proc, _ = sidecar
+    ref = tokenizers.Tokenizer.from_file(str(qwen3_path / "tokenizer.json"))
+    monkeypatch.setattr(_local, "WRITER_TICK_S", 60.0)  # the background thread looks once a minute
+    built_by: list[str] = []
+    real_build = Heads.build
+
+    def build(self: Heads[Any, Any], ready: Any) -> None:
+        built_by.append(threading.current_thread().name)
+        real_build(self, ready)
+
+    monkeypatch.setattr(Heads, "build", build)
+    for between in (True, False):
+        texts = _agent_turns(8, 700 + between)  # two conversations
+        with SidecarClient(proc.address) as c:
+            while c.tokenize("qwen3", text="warm up").served_by != "local":
+                pass
+            assert c.flush(5)
+            local = c._local.get("qwen3") if c._local is not None else None
+            assert local is not None
+            heads = local.lookup.heads
+            used = heads.used
+            built_by.clear()
+            for text in texts:
+                r = c.tokenize("qwen3", text=text, add_special_tokens=False)
+                assert r.served_by == "local"
+                assert r.token_ids == ref.encode(text, add_special_tokens=False).ids
+                r.token_ids[:] = [-1]  # the caller's own list
+                if between:
+                    assert c.flush(5)
+            if between:
+                assert heads.used - used >= len(texts) - 2, (heads.built, heads.used)
+            else:
+                assert threading.main_thread().name not in built_by, built_by
+            assert c.flush(5)

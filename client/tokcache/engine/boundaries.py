@@ -181,6 +181,8 @@ class Scan:
     filed: tuple[bool, int, int] | None = None
     # A reader's canonical encoding of this text from some cut on (see Lookup._canonical_tail).
     encoded: Encoded | None = None
+    # A text extending this one was filed since (its head, if any, is of no more use).
+    superseded: bool = False
 
     @property
     def weight(self) -> int:
@@ -437,6 +439,7 @@ class BoundaryScanner:
                 self._bytes -= recent.pop().weight
         if base is not None:  # one level is all a reader uses: do not keep a chain of old texts alive
             base.base = None
+            base.superseded = True
         return scan
 
     def _file_old(self, scan: Scan) -> None:

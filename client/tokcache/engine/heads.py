@@ -30,9 +30,15 @@ __all__ = ["HEAD_IDS", "Heads", "Ready"]
 
 # Ids all heads of a process hold at most (8 bytes of list each: 32 MiB); the oldest go first.
 HEAD_IDS = 1 << 22
+# Heads offered and not built yet, at most (the oldest are forgotten).
+PENDING = 256
+# After a turn found its head offered but not built (the process is busy: its write-behind
+# does not get to run between a conversation's turns), this many offers are declined: a
+# saturated process copies each turn's ids once, in the request, not also in the background.
+BACKOFF = 64
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Ready(Generic[Ids]):
     """A head to build after the reply: ``full[:tokens]`` are the canonical ids of
     ``scan``'s text before byte ``cut``, its last stable cut."""
@@ -44,24 +50,59 @@ class Ready(Generic[Ids]):
 
 
 class Heads(Generic[Ids, Out]):
-    """Built heads by the scan they continue, oldest dropped past ``budget`` ids. Thread-safe:
-    :meth:`build` runs on the write-behind, :meth:`take` on requests."""
+    """Heads by the scan they continue: offered (a request's :class:`Ready`, nothing copied),
+    built (:meth:`build_pending`, after the reply), taken (the next turn). Built heads past
+    ``budget`` ids are dropped oldest first. Thread-safe."""
 
     def __init__(self, fmt: IdFormat[Ids, Out], budget: int = HEAD_IDS) -> None:
         self._fmt: IdFormat[Ids, Out] = fmt
         self._budget = budget
         self._heads: OrderedDict[Scan, tuple[int, int, Out]] = OrderedDict()  # scan -> (cut, tokens, head)
         self._ids = 0  # ids held in all
+        self._pending: dict[Scan, Ready[Ids]] = {}
+        self._declining = 0  # offers left to decline (see BACKOFF)
+        self.enabled = True  # False: every offer is declined (a benchmark's on/off switch)
         self._lock = threading.Lock()
         self.built = 0  # heads built, and taken and used by a request (stats)
         self.used = 0
 
+    @property
+    def pending(self) -> bool:
+        """Whether heads were offered and not built yet."""
+        return bool(self._pending)
+
+    def offer(self, ready: Ready[Ids]) -> bool:
+        """Note a head to build after the reply (the request path: no copy here); False when
+        declined (see BACKOFF)."""
+        if not self.enabled:
+            return False
+        if self._declining:
+            self._declining -= 1  # unlocked: a lost decrement declines one offer more
+            return False
+        with self._lock:
+            pending = self._pending
+            pending[ready.scan] = ready
+            if len(pending) > PENDING:
+                del pending[next(iter(pending))]
+        return True
+
+    def build_pending(self) -> None:
+        """Build the heads offered so far (the write-behind, between requests)."""
+        with self._lock:
+            todo, self._pending = self._pending, {}
+        for ready in todo.values():
+            self.build(ready)
+
     def build(self, ready: Ready[Ids]) -> None:
-        """Copy ``ready``'s ids into a head of their own (off the request path)."""
-        if ready.tokens > self._budget:
+        """Copy ``ready``'s ids into a head of their own (off the request path), unless a
+        text extending ``ready.scan`` came first: that turn is served, and no other will
+        take this head (copying it would be wasted work, which is all a busy process does)."""
+        if ready.tokens > self._budget or ready.scan.superseded:
             return
         head = self._fmt.result(ready.full, ready.tokens)
         with self._lock:
+            if ready.scan.superseded:
+                return
             old = self._heads.pop(ready.scan, None)
             if old is not None:
                 self._ids -= old[1]
@@ -75,6 +116,8 @@ class Heads(Generic[Ids, Out]):
         """The head of ``scan``'s text up to byte ``cut`` holding ``tokens`` ids, now the
         caller's (no one else gets it), or None."""
         with self._lock:
+            if self._pending.pop(scan, None) is not None:  # not built in time: the process is busy
+                self._declining = BACKOFF
             got = self._heads.pop(scan, None)
             if got is None:
                 return None

@@ -93,3 +93,41 @@ def test_bytes_heads_finish_like_lists() -> None:
     assert BYTES.finish(head, [3, 9], 1, (7,)) == pack_ids([1, 2, 3, 9, 7])
     assert LISTS.finish([1, 2, 3], [3, 9], 1, (7,)) == [1, 2, 3, 9, 7]
     assert LISTS.finish([1, 2, 3], [9], 0) == [1, 2, 3, 9]
+
+
+def test_no_head_for_a_superseded_text() -> None:
+    """A text extending the scan was filed first: its turn is served, the head is never built."""
+    heads: Heads[Chunks, list[int]] = Heads(LISTS)
+    s = _scan()
+    s.superseded = True
+    heads.build(_ready(s, [1, 2, 3], 3))
+    assert len(heads) == 0 and heads.built == 0
+
+
+def test_a_busy_process_declines_offers_for_a_while() -> None:
+    """A turn that finds its head offered but not built (nothing ran between the turns) makes
+    the next BACKOFF offers decline: a saturated process copies ids once, not twice."""
+    from tokcache.engine import heads as heads_mod
+
+    heads: Heads[Chunks, list[int]] = Heads(LISTS)
+    s = _scan()
+    assert heads.offer(_ready(s, [1, 2, 3], 3))
+    assert heads.pending
+    assert heads.take(s, 10, 3) is None  # offered, not built: this turn copies itself
+    assert not heads.pending
+    declined = 0
+    while not heads.offer(_ready(_scan(), [1], 1)):
+        declined += 1
+    assert declined == heads_mod.BACKOFF
+    heads.build_pending()
+    assert heads.built == 1
+
+
+def test_offered_heads_are_built_after_the_reply_and_taken() -> None:
+    heads: Heads[Chunks, list[int]] = Heads(LISTS)
+    a, b = _scan(), _scan()
+    assert heads.offer(_ready(a, [1, 2, 3], 3)) and heads.offer(_ready(b, [4, 5], 2))
+    b.superseded = True  # its next turn came first
+    heads.build_pending()
+    assert not heads.pending and heads.built == 1
+    assert heads.take(a, 10, 3) == [1, 2, 3]
