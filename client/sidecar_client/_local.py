@@ -65,6 +65,8 @@ WRITER_PARK_TICKS = 50
 # than a write (~50-150 µs of this process's CPU and a writer-lock round). Measured in
 # bench/concurrency.py; see the README.
 MIN_WRITE_BYTES = 4096
+# The background thread builds heads (tokcache.engine.heads) once no request offered one for this long.
+HEADS_QUIET_S = 0.002
 
 
 class LocalUnavailable(Exception):
@@ -245,17 +247,23 @@ class WriteBehind:
             with self._lock:
                 while True:
                     item = None if self._busy else next((i for i in self._items if i.state == 0), None)
-                    if item is not None or self.heads.pending:
+                    if item is not None:
                         break
+                    wait_s = WRITER_TICK_S
+                    if self.heads.pending:  # built once requests pause (see Heads.quiet_in)
+                        left = self.heads.quiet_in(HEADS_QUIET_S)
+                        if left <= 0:
+                            break
+                        wait_s = min(wait_s, left)
                     if self._closed:
                         return
-                    if idle >= WRITER_PARK_TICKS:  # nothing for a while: sleep until an offer
+                    if idle >= WRITER_PARK_TICKS and not self.heads.pending:  # nothing for a while: park
                         self._parked = True
                         self._work.wait()
                         self._parked = False
                         idle = 0
                     else:
-                        self._work.wait(WRITER_TICK_S)
+                        self._work.wait(wait_s)
                         idle += 1
                 if item is not None:
                     item.state = 1

@@ -488,3 +488,29 @@ def test_heads_built_after_the_reply_serve_the_next_turn_and_are_the_callers(
             else:
                 assert threading.main_thread().name not in built_by, built_by
             assert c.flush(5)
+
+
+def test_the_background_thread_builds_the_head_between_turns(
+        sidecar: tuple[SidecarProcess, int], qwen3_path: Path) -> None:
+    """Nobody flushes: once requests pause (HEADS_QUIET_S), the write-behind thread builds the
+    head on its own, and the next turn uses it."""
+    import time
+
+    proc, _ = sidecar
+    ref = tokenizers.Tokenizer.from_file(str(qwen3_path / "tokenizer.json"))
+    texts = _agent_turns(4, 800)
+    with SidecarClient(proc.address) as c:
+        while c.tokenize("qwen3", text="warm up").served_by != "local":
+            pass
+        local = c._local.get("qwen3") if c._local is not None else None
+        assert local is not None
+        heads = local.lookup.heads
+        used = heads.used
+        for text in texts:
+            r = c.tokenize("qwen3", text=text, add_special_tokens=False)
+            assert r.token_ids == ref.encode(text, add_special_tokens=False).ids
+            deadline = time.monotonic() + 5
+            while heads.pending and time.monotonic() < deadline:  # the model "generates"
+                time.sleep(0.01)
+            assert not heads.pending
+        assert heads.used - used >= len(texts) - 1, (heads.built, heads.used)

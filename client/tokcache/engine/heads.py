@@ -19,6 +19,7 @@ value; a head whose cut or length differs from what the taker expects is not use
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Generic
@@ -61,6 +62,7 @@ class Heads(Generic[Ids, Out]):
         self._ids = 0  # ids held in all
         self._pending: dict[Scan, Ready[Ids]] = {}
         self._declining = 0  # offers left to decline (see BACKOFF)
+        self._offered_at = 0.0  # time.monotonic() of the last offer
         self.enabled = True  # False: every offer is declined (a benchmark's on/off switch)
         self._lock = threading.Lock()
         self.built = 0  # heads built, and taken and used by a request (stats)
@@ -80,11 +82,18 @@ class Heads(Generic[Ids, Out]):
             self._declining -= 1  # unlocked: a lost decrement declines one offer more
             return False
         with self._lock:
+            self._offered_at = time.monotonic()
             pending = self._pending
             pending[ready.scan] = ready
             if len(pending) > PENDING:
                 del pending[next(iter(pending))]
         return True
+
+    def quiet_in(self, quiet_s: float) -> float:
+        """Seconds until no head was offered for ``quiet_s`` (<= 0: now): the write-behind
+        builds heads once requests pause (between a conversation's turns), not while they
+        keep coming (a busy process would only trade its GIL back and forth for them)."""
+        return self._offered_at + quiet_s - time.monotonic()
 
     def build_pending(self) -> None:
         """Build the heads offered so far (the write-behind, between requests)."""
