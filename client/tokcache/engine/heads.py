@@ -33,6 +33,8 @@ __all__ = ["HEAD_IDS", "Heads", "Ready"]
 HEAD_IDS = 1 << 22
 # Heads offered and not built yet, at most (the oldest are forgotten).
 PENDING = 256
+# Built heads at most (one per conversation in flight; each keeps its scan, the text, alive).
+MAX_HEADS = 64
 # After a turn found its head offered but not built (the process is busy: its write-behind
 # does not get to run between a conversation's turns), this many offers are declined: a
 # saturated process copies each turn's ids once, in the request, not also in the background.
@@ -53,7 +55,9 @@ class Ready(Generic[Ids]):
 class Heads(Generic[Ids, Out]):
     """Heads by the scan they continue: offered (a request's :class:`Ready`, nothing copied),
     built (:meth:`build_pending`, after the reply), taken (the next turn). Built heads past
-    ``budget`` ids are dropped oldest first. Thread-safe."""
+    ``budget`` ids or MAX_HEADS heads are dropped oldest first, and a head whose text was
+    superseded without taking it (its next turn went another way) when the next one is
+    built: a head keeps its scan (the text) alive. Thread-safe."""
 
     def __init__(self, fmt: IdFormat[Ids, Out], budget: int = HEAD_IDS) -> None:
         self._fmt: IdFormat[Ids, Out] = fmt
@@ -112,14 +116,14 @@ class Heads(Generic[Ids, Out]):
         with self._lock:
             if ready.scan.superseded:
                 return
-            old = self._heads.pop(ready.scan, None)
-            if old is not None:
-                self._ids -= old[1]
-            self._heads[ready.scan] = (ready.cut, ready.tokens, head)
+            heads = self._heads
+            for gone in [s for s in heads if s.superseded or s is ready.scan]:
+                self._ids -= heads.pop(gone)[1]
+            heads[ready.scan] = (ready.cut, ready.tokens, head)
             self._ids += ready.tokens
             self.built += 1
-            while self._ids > self._budget:
-                self._ids -= self._heads.popitem(last=False)[1][1]
+            while self._ids > self._budget or len(heads) > MAX_HEADS:
+                self._ids -= heads.popitem(last=False)[1][1]
 
     def take(self, scan: Scan, cut: int, tokens: int) -> Out | None:
         """The head of ``scan``'s text up to byte ``cut`` holding ``tokens`` ids, now the

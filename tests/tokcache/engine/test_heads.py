@@ -131,3 +131,21 @@ def test_offered_heads_are_built_after_the_reply_and_taken() -> None:
     heads.build_pending()
     assert not heads.pending and heads.built == 1
     assert heads.take(a, 10, 3) == [1, 2, 3]
+
+
+def test_heads_of_superseded_texts_and_past_max_heads_are_dropped() -> None:
+    """A head keeps its text alive: one whose text was superseded without taking it goes when
+    the next is built, and at most MAX_HEADS stay."""
+    from tokcache.engine import heads as heads_mod
+
+    heads: Heads[Chunks, list[int]] = Heads(LISTS)
+    a = _scan()
+    heads.build(_ready(a, [1, 2], 2))
+    a.superseded = True  # its next turn went another way (did not take it)
+    heads.build(_ready(_scan(), [3], 1))
+    assert len(heads) == 1
+    scans = [_scan() for _ in range(heads_mod.MAX_HEADS + 5)]
+    for s in scans:
+        heads.build(_ready(s, [1], 1))
+    assert len(heads) == heads_mod.MAX_HEADS
+    assert heads.take(scans[0], 10, 1) is None and heads.take(scans[-1], 10, 1) == [1]
