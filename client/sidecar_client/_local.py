@@ -60,11 +60,19 @@ INLINE_LOCK_S = 0.01  # how long a request storing its previous turn's write wai
 # ticks: an idle process's write lands within a tick, a busy one's offers wake nothing.
 WRITER_TICK_S = 0.02
 WRITER_PARK_TICKS = 50
-# A read whose uncached tail is shorter than this many UTF-8 bytes stores nothing: the next
-# turn re-encodes those bytes instead (~6 µs per KB with fastokens here), which costs less
-# than a write (~50-150 µs of this process's CPU and a writer-lock round). Measured in
-# bench/concurrency.py; see the README.
-MIN_WRITE_BYTES = 4096
+# A read whose uncached tail is shorter than this many UTF-8 bytes stores nothing. This
+# process re-encodes none of it (its next turn starts from its own previous encoding, see
+# Lookup._canonical_tail); another process that gets the conversation's next turn encodes at
+# most this much more (~6 µs per KB with fastokens). A write costs ~100-150 µs of this
+# process's CPU and a writer-lock round, whoever stores it. bench/concurrency.py, 16 client
+# processes x 57 KB chats on 2 cores, CPU per request: 4096 -> 382-498 µs, 8192 -> 291-333,
+# 16384 -> 298, 32768 -> 297 (one process: 220-274, 182-230, 198, 188). See the README.
+MIN_WRITE_BYTES = 16384
+# The same for a read that found nothing cached (capped by min_write_bytes): a conversation's
+# first entries are stored sooner, so its next turns hit them through the native fast path
+# (Lookup._extend) instead of missing through the Python one (57 KB chats, turns 2-10: 509 µs
+# p50 at 16384 for every read, 408 with 4096).
+MIN_FIRST_WRITE_BYTES = 4096
 # The background thread builds heads (tokcache.engine.heads) once no request offered one for this long.
 HEADS_QUIET_S = 0.002
 
@@ -86,7 +94,8 @@ class LocalStats:
       sidecar has a cluster tier and no recorded output applied here)
     - ``writes``: write-behind outcomes: stored, refused (parent gone, full), learned
       (sent to the sidecar to store), dropped (queue full), failed (store or RPC error),
-      skipped (the uncached tail was under ``min_write_bytes``: the next turn re-encodes it)
+      skipped (the uncached tail was under ``min_write_bytes``, or MIN_FIRST_WRITE_BYTES when
+      nothing was cached: another process's next turn encodes it again, this one's does not)
     """
 
     tokenize: Counter[str] = field(default_factory=Counter)
@@ -459,7 +468,9 @@ class LocalModel:
                                       tier=self.tier)
         write = result.write
         if write is not None:
-            if write.decision.encoded_bytes >= self.min_write_bytes:
+            decision = write.decision
+            floor = self.min_write_bytes if decision.cached_bytes else min(self.min_write_bytes, MIN_FIRST_WRITE_BYTES)
+            if decision.encoded_bytes >= floor:
                 self.writer.offer(write, text, salt, mode)
             else:
                 self.writer.skip()

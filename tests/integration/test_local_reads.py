@@ -24,6 +24,7 @@ import pytest
 import tokenizers
 
 from sidecar_client import AsyncSidecarClient, SidecarClient
+from sidecar_client._local import MIN_FIRST_WRITE_BYTES, MIN_WRITE_BYTES
 from tests.integration.sidecar_proc import SidecarProcess
 
 TURN = "<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n"
@@ -441,6 +442,35 @@ def test_a_short_uncached_tail_stores_nothing_and_costs_no_re_encoding(
         # Uncached tails grew over turns between stores (past one turn's), and shrank after each.
         assert max(uncached[1:]) > 1.5 * min(uncached[1:]), uncached
         assert any(b < a for a, b in zip(uncached, uncached[1:], strict=False)), uncached
+
+
+def test_a_first_read_stores_from_4_kb_later_ones_from_min_write_bytes(
+        sidecar: tuple[SidecarProcess, int], qwen3_path: Path) -> None:
+    """MIN_FIRST_WRITE_BYTES: with the default min_write_bytes (16 KB), a conversation's first
+    read (nothing cached, >= 4 KB) is stored, so its next turns hit it (L1); their own short
+    tails are not stored until they reach min_write_bytes. Ids are the reference's throughout."""
+    proc, _ = sidecar
+    assert MIN_FIRST_WRITE_BYTES < MIN_WRITE_BYTES
+    ref = tokenizers.Tokenizer.from_file(str(qwen3_path / "tokenizer.json"))
+    texts = _agent_turns(10, 4600)  # ~4.2 KB a turn
+    assert len(texts[0].encode()) >= MIN_FIRST_WRITE_BYTES
+    assert 2 * (len(texts[1].encode()) - len(texts[0].encode())) < MIN_WRITE_BYTES
+    with SidecarClient(proc.address) as c:
+        c.tokenize("qwen3", text="warm up")
+        stored: list[int] = []
+        sources: list[str] = []
+        for text in texts:
+            before = c.stats()["writes"].get("stored", 0)
+            r = c.tokenize("qwen3", text=text, add_special_tokens=False)
+            assert c.flush(5)
+            assert r.token_ids == ref.encode(text, add_special_tokens=False).ids
+            stored.append(c.stats()["writes"].get("stored", 0) - before)
+            sources.append(r.decision.source)
+    assert stored[0] == 1 and sources[0] == "miss", (stored, sources)
+    assert sources[1:] == ["l1"] * (len(texts) - 1), sources
+    # Later reads store only once their uncached tail reaches min_write_bytes (16 KB here: a
+    # few turns of ~4.5 KB), not every turn.
+    assert 1 <= sum(stored[1:]) < len(texts) - 2, stored
 
 
 def test_heads_built_after_the_reply_serve_the_next_turn_and_are_the_callers(

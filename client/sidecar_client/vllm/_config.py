@@ -27,7 +27,9 @@ DEFAULT_BREAKER_FAILURES = 5
 DEFAULT_BREAKER_RESET_S = 5.0
 DEFAULT_RECORD_QUEUE = 1024
 DEFAULT_RECORD_WAIT_MS = 1000.0
-DEFAULT_MIN_WRITE_BYTES = 4096  # the client's (sidecar_client._local.MIN_WRITE_BYTES)
+# Lower than the client's (sidecar_client._local.MIN_WRITE_BYTES): not measured for vLLM's
+# process, whose finished responses store their prompts anyway (RecordOutput).
+DEFAULT_MIN_WRITE_BYTES = 4096
 
 # field -> environment variable (the only place these names appear)
 ENV: dict[str, str] = {
