@@ -199,7 +199,7 @@ class WriteBehind:
             self._work.notify()
 
     def skip(self) -> None:
-        """Count a write not offered (its tail was short: MIN_WRITE_BYTES)."""
+        """Count a write not offered (its tail was short: see LocalModel.tokenize)."""
         self._stats.writes["skipped"] += 1
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -368,8 +368,10 @@ class LocalModel:
                  writer: WriteBehind, memo: ChainMemo[Chunks], writable: Store | None, *, tier: bool = False,
                  min_write_bytes: int = MIN_WRITE_BYTES) -> None:
         self.name = name
-        # A read whose uncached tail is shorter stores nothing (see MIN_WRITE_BYTES).
+        # A read whose uncached tail is shorter stores nothing (see MIN_WRITE_BYTES); the
+        # second, for a read that found nothing cached (MIN_FIRST_WRITE_BYTES).
         self.min_write_bytes = min_write_bytes
+        self._first_write_bytes = min(min_write_bytes, MIN_FIRST_WRITE_BYTES)
         # The sidecar has a cluster tier (manifest): what no local AR applies to goes to it.
         self.tier = tier
         self.reader = reader
@@ -469,8 +471,7 @@ class LocalModel:
         write = result.write
         if write is not None:
             decision = write.decision
-            floor = self.min_write_bytes if decision.cached_bytes else min(self.min_write_bytes, MIN_FIRST_WRITE_BYTES)
-            if decision.encoded_bytes >= floor:
+            if decision.encoded_bytes >= (self.min_write_bytes if decision.cached_bytes else self._first_write_bytes):
                 self.writer.offer(write, text, salt, mode)
             else:
                 self.writer.skip()
