@@ -522,8 +522,8 @@ def test_heads_built_after_the_reply_serve_the_next_turn_and_are_the_callers(
 
 def test_the_background_thread_builds_the_head_between_turns(
         sidecar: tuple[SidecarProcess, int], qwen3_path: Path) -> None:
-    """Nobody flushes: once requests pause (HEADS_QUIET_S), the write-behind thread builds the
-    head on its own, and the next turn uses it."""
+    """Nobody flushes: once requests pause (HEADS_QUIET_S), the write-behind thread settles the
+    read and builds the head on its own, and the next turn uses it."""
     import time
 
     proc, _ = sidecar
@@ -540,7 +540,8 @@ def test_the_background_thread_builds_the_head_between_turns(
             r = c.tokenize("qwen3", text=text, add_special_tokens=False)
             assert r.token_ids == ref.encode(text, add_special_tokens=False).ids
             deadline = time.monotonic() + 5
-            while heads.pending and time.monotonic() < deadline:  # the model "generates"
+            # The model "generates": the thread settles the read (which offers its head), then builds the head.
+            while (local.settler.pending or heads.pending) and time.monotonic() < deadline:
                 time.sleep(0.01)
-            assert not heads.pending
+            assert not local.settler.pending and not heads.pending
         assert heads.used - used >= len(texts) - 1, (heads.built, heads.used)

@@ -248,6 +248,9 @@ class Result(Generic[Ids, Out]):
     write: PendingWrite[Ids] | None = None
     # The next turn's head, for whoever runs the write path to build (see tokcache.engine.heads).
     ready: Ready[Ids] | None = None
+    # A deferring Lookup's (see Lookup.defer) bookkeeping, for Lookup.settle to turn into
+    # ``write`` and ``ready`` after the reply; None when they are already here.
+    later: Later[Ids] | None = None
 
 
 @dataclass
@@ -267,21 +270,70 @@ class _Hit(Generic[Ids]):
 class _Tail(Generic[Out]):
     """Step 2's answer: the tail's ids, the tokens after each piece (None: not computed),
     spliced AR tokens, and when a head was taken (see tokcache.engine.heads) the caller's
-    container of the hit's ids and the first ``in_head`` of ``ids``."""
+    container of the hit's ids and the first ``in_head`` of ``ids``.
 
-    ids: list[int]
+    A tail that reused this process's previous encoding (``prior``, see
+    Lookup._canonical_tail) is ``prior.ids[lo:hi] + new`` and is only joined into one list
+    (:meth:`flat`) when something needs it: a caller served from a head gets ``new``
+    appended to the head, and the joined list is for the write and the next turn's memo,
+    after the reply. ``canonical``: the plain encoding of its text, to remember (``cut``:
+    where ``new`` starts in the text, or the tail's start)."""
+
+    ids: list[int] | None
     ends: list[int] | None
     spliced: int
     head: Out | None = None
     in_head: int = 0
+    new: list[int] | None = None
+    prior: Encoded | None = None
+    lo: int = 0
+    hi: int = 0
+    cut: int = 0
+    canonical: bool = False
+
+    def flat(self) -> list[int]:
+        """The tail's ids as one list (made once)."""
+        if self.ids is None:
+            assert self.prior is not None and self.new is not None
+            ids = self.prior.ids[self.lo:self.hi]
+            ids += self.new
+            self.ids = ids
+        return self.ids
+
+    def __len__(self) -> int:
+        if self.ids is not None:
+            return len(self.ids)
+        assert self.new is not None
+        return self.hi - self.lo + len(self.new)
+
+
+@dataclass
+class Later(Generic[Ids]):
+    """What a read leaves for after its reply (:meth:`Lookup.settle`): filing its scan for
+    the next turn (``native_keys`` set: the native fast path's scan, not filed yet), its key
+    state, its canonical encoding, and the write and head it makes. Data, not a closure."""
+
+    scan: Scan
+    keys: TextKeys | None  # None: made from native_keys
+    native_keys: tuple[Any, ...] | None  # (salt, tag, keyed, keys, exact, state cut, state hasher)
+    store: CacheView | None
+    ar: bool
+    hit: _Hit[Ids]
+    tail: _Tail[Any]
+    decision: Decision
+    full: Ids | None  # the whole text's ids, when the reply needed them (else made in settle)
 
 
 class Lookup(Generic[Ids, Out]):
     """Tokenize through one segment. Thread-safe; one per (model, process)."""
 
     def __init__(self, model: ReadModel, store: CacheView | None, memo: ChainMemo[Ids],
-                 limits: Limits | None = None, heads: Heads[Ids, Out] | None = None) -> None:
+                 limits: Limits | None = None, heads: Heads[Ids, Out] | None = None, *,
+                 defer: bool = False) -> None:
         self.model = model
+        # True: a result leaves its bookkeeping (Result.later) for the caller to settle after
+        # the reply; False: settled before returning (Result.write, Result.ready).
+        self.defer = defer
         self.store = store
         self.memo: ChainMemo[Ids] = memo
         self.fmt: IdFormat[Ids, Out] = memo.fmt
@@ -356,15 +408,18 @@ class Lookup(Generic[Ids, Out]):
         hit = self._find_hit(store, keys, spans, ar, decision)
         return self._serve(scan, keys, store, ar, hit, decision, n_chars, add_special_tokens, salt, tag, tier, t0)
 
-    def _serve(self, scan: Scan, keys: TextKeys, store: CacheView | None, ar: bool, hit: _Hit[Ids],
+    def _serve(self, scan: Scan, keys: TextKeys | None, store: CacheView | None, ar: bool, hit: _Hit[Ids],
                decision: Decision, n_chars: int, add_special_tokens: bool, salt: str, tag: bytes, tier: bool,
-               t0: int, tail_chars: int | None = None) -> Result[Ids, Out]:
-        """Steps 2 and 3 once the hit is known: encode the tail, build the result and the write.
-        ``tail_chars``: the tail's length in characters when the caller counted it (then the
-        tail is decoded only if its encoding cannot reuse this process's previous one)."""
+               t0: int, tail_chars: int | None = None, keyed: list[int] | None = None,
+               native_keys: tuple[Any, ...] | None = None) -> Result[Ids, Out]:
+        """Steps 2 and 3 once the hit is known: encode the tail, build the result (and its
+        bookkeeping: :meth:`settle`). ``tail_chars``: the tail's length in characters when the
+        caller counted it (then the tail is decoded only if its encoding cannot reuse this
+        process's previous one). ``keys`` None: the fast path's, made in settle from
+        ``native_keys`` (``keyed``: its keyed cuts)."""
         t1 = time.perf_counter_ns()
         decision.timings["lookup"] = (t0, t1)
-        data, spans, affixes = scan.data, scan.spans, self.model.affixes
+        data, affixes = scan.data, self.model.affixes
         prefix, suffix = (affixes.prefix, affixes.suffix) if add_special_tokens else ((), ())
         if hit.exact:
             assert hit.ids is not None
@@ -379,7 +434,10 @@ class Lookup(Generic[Ids, Out]):
         if tail_chars is None:
             tail_text = data[hit.start:].decode("utf-8") if hit.start else (scan.text or data.decode("utf-8"))
             tail_chars = len(tail_text)
-        tail = self._encode_tail(store if ar else None, scan, keys.keyed, tail_text, hit, salt, tag, ask)
+        if keyed is None:
+            assert keys is not None
+            keyed = keys.keyed
+        tail = self._encode_tail(store if ar else None, scan, keyed, tail_text, hit, salt, tag, ask)
         decision.timings["encode"] = (t1, time.perf_counter_ns())
         if tail.spliced:
             decision.segment_splices = tail.spliced
@@ -392,29 +450,62 @@ class Lookup(Generic[Ids, Out]):
         decision.encoded_chars = tail_chars
         decision.cached_bytes = hit.start
         decision.encoded_bytes = len(data) - hit.start
-        more = self.fmt.from_list(tail.ids)
-        full = more if hit.ids is None else self.fmt.grow(hit.ids, hit.tokens, more)
-        n_full = hit.tokens + len(tail.ids)
+        full: Ids | None = None
+        if tail.head is not None and tail.new is not None and not prefix:
+            # The head holds the ids up to where this turn's encoding starts.
+            out = self.fmt.finish(tail.head, tail.new, 0, suffix)
+        else:
+            ids = tail.flat()
+            more = self.fmt.from_list(ids)
+            full = more if hit.ids is None else self.fmt.grow(hit.ids, hit.tokens, more)
+            out = self.fmt.result(full, hit.tokens + len(ids), prefix, suffix)
+        later = Later(scan, keys, native_keys, store, ar, hit, tail, decision, full)
+        if self.defer:
+            return Result(out, decision, later=later)
+        write, ready = self.settle(later)
+        return Result(out, decision, write, ready)
+
+    def settle(self, later: Later[Ids]) -> tuple[PendingWrite[Ids] | None, Ready[Ids] | None]:
+        """A result's bookkeeping, after its reply: file a fast-path scan for the next turn,
+        remember the tail's canonical encoding, and make the write (None: no store) and the
+        next turn's head (None: none applies). Settle a lookup's results in the order they
+        were returned, each once, before its next request (which extends what they file)."""
+        scan, hit, tail = later.scan, later.hit, later.tail
+        keys = later.keys
+        if keys is None:
+            assert later.native_keys is not None
+            salt, tag, keyed, keys_list, exact, state_cut, state_hasher = later.native_keys
+            self.model.scanner.keep(scan)
+            ns = (salt, tag)
+            base = scan.base
+            keys = TextKeys.from_state(scan.data, scan.spans, salt, tag, keyed, keys_list, exact, state_cut,
+                                       state_hasher, base.hashers.get(ns) if base is not None else None,
+                                       grid=self.model.key_grid)
+            scan.hashers[ns] = keys.state()
+        if tail.canonical:
+            self._remember(scan, keys.keyed, tail, hit.start)
+        ids = tail.flat()
+        full = later.full
+        if full is None:
+            more = self.fmt.from_list(ids)
+            full = more if hit.ids is None else self.fmt.grow(hit.ids, hit.tokens, more)
         enc = scan.encoded
-        if enc is not None and enc.ids is not tail.ids:
+        if enc is not None and enc.ids is not ids:
             enc = None  # kept only when the tail is its text's plain encoding
         write = None
-        if store is not None:
-            write = PendingWrite(hit.parent, hit.tokens, tail.ids, keys, hit.first_new, len(spans), tail.ends, full,
-                                 decision, self.model.boundary_id_of, enc.cut_tokens if enc is not None else None)
+        if later.store is not None:
+            write = PendingWrite(hit.parent, hit.tokens, ids, keys, hit.first_new, len(scan.spans), tail.ends, full,
+                                 later.decision, self.model.boundary_id_of,
+                                 enc.cut_tokens if enc is not None else None)
         ready = None
-        if enc is not None and not ar and scan.stable:
+        if enc is not None and not later.ar and scan.stable:
             # Nothing recorded applies (see tokcache.engine.heads): the next turn's head is
             # this text's ids up to its last stable cut.
-            last = spans[scan.stable - 1][1]
+            last = scan.spans[scan.stable - 1][1]
             at = enc.cut_tokens.get(last)
             if at is not None:
                 ready = Ready(scan, last, full, hit.tokens + at)
-        if tail.head is not None and not prefix:
-            out = self.fmt.finish(tail.head, tail.ids, tail.in_head, suffix)
-        else:
-            out = self.fmt.result(full, n_full, prefix, suffix)
-        return Result(out, decision, write, ready)
+        return write, ready
 
     def _extend(self, text: str, *, add_special_tokens: bool, salt: str, mode: str,
                 tier: bool) -> Result[Ids, Out] | None:
@@ -452,20 +543,17 @@ class Lookup(Generic[Ids, Out]):
             return None
         (base, data, spans, tail, tail_from, kept_end, stable, keyed, keys_list, state_hasher, state_cut, exact,
          pos, key, held, tokens, tail_chars) = got
-        scan = self.model.scanner.keep(Scan(data, spans, tail, tail_from, kept_end, len(base.data), text, base=base,
-                                            stable=stable))
-        keys = TextKeys.from_state(data, spans, salt, tag, keyed, keys_list, exact, state_cut, state_hasher,
-                                   base.hashers.get(ns), grid=self.model.key_grid)
-        scan.hashers[ns] = keys.state()
+        # Filed for the next turn, and its keys made, in settle (after the reply).
+        scan = Scan(data, spans, tail, tail_from, kept_end, len(base.data), text, base=base, stable=stable)
         decision = Decision(source="l1", boundaries=len(spans), l1_disabled_reason=self.model.l1_disabled_reason,
                             l0_hit=False, l1_hit=True)
         j = keyed[pos]
         hit: _Hit[Ids] = _Hit(held, tokens, spans[j][1], key, j + 1)
-        return self._serve(scan, keys, store, False, hit, decision, len(text), add_special_tokens, salt, tag, False,
-                           t0, tail_chars)
+        return self._serve(scan, None, store, False, hit, decision, len(text), add_special_tokens, salt, tag, False,
+                           t0, tail_chars, keyed, (salt, tag, keyed, keys_list, exact, state_cut, state_hasher))
 
     def _canonical_tail(self, scan: Scan, keyed: list[int], tail_text: str | None, start: int,
-                        head_at: int | None = None) -> tuple[list[int], Out | None, int]:
+                        head_at: int | None = None) -> _Tail[Out]:
         """The canonical ids of ``tail_text`` (``scan.data[start:]``; None: decoded here if
         needed), reusing what this process encoded for the text ``scan`` extends: its ids
         from ``start`` (a cut within what it encoded) up to its last stable cut — safe
@@ -475,18 +563,15 @@ class Lookup(Generic[Ids, Out]):
         A conversation's hit stays at, or moves a few keyed cuts past, the last stored
         keyed cut while this process serves it: each turn encodes only what it appended,
         however long the uncached tail. Only for tails encoded without splices (nothing
-        recorded applies), whose ids depend on the text alone. Records where the keyed
-        cuts and the last stable cut fall in the ids (for the next turn, and this turn's
-        write).
+        recorded applies), whose ids depend on the text alone. :meth:`_remember` records
+        where the keyed cuts and the last stable cut fall in the ids (for the next turn,
+        and this turn's write), after the reply.
 
         ``head_at``: the tokens before ``start``, given when nothing recorded applies to
         this request; then the head the text ``scan`` extends left (see tokcache.engine.heads)
-        is taken, if any, and returned second: the caller's container of the ids before the
-        last stable cut, whose last ones are the first of the returned ids (how many: third).
+        is taken, if any (``_Tail.head``: the caller's container of the ids before the last
+        stable cut, whose last ``in_head`` are the first of the tail's).
         """
-        encoder = self.model.encoder
-        id_of = self.model.boundary_id_of
-        data = scan.data
         base = scan.base
         memo = base.encoded if base is not None else None
         if memo is not None and base is not None and base.stable and memo.start <= start:
@@ -494,14 +579,22 @@ class Lookup(Generic[Ids, Out]):
             lo, hi = memo.cut_tokens.get(start), memo.cut_tokens.get(cut)
             if start < cut and lo is not None and hi is not None:
                 head = None if head_at is None else self.heads.take(base, cut, head_at + hi - lo)
-                ids = memo.ids[lo:hi]
-                ids += encoder.encode(data[cut:].decode("utf-8"))
-                at = {c: t - lo for c, t in memo.cut_tokens.items() if c >= start}
-                scan.encoded = Encoded(start, ids, _cut_tokens(scan, keyed, ids, id_of, cut, hi - lo, at))
-                return ids, head, hi - lo
-        ids = encoder.encode(tail_text if tail_text is not None else data[start:].decode("utf-8"))
-        scan.encoded = Encoded(start, ids, _cut_tokens(scan, keyed, ids, id_of, start, 0, {start: 0}))
-        return ids, None, 0
+                new = self.model.encoder.encode(scan.data[cut:].decode("utf-8"))
+                return _Tail(None, None, 0, head, hi - lo, new, memo, lo, hi, cut, True)
+        ids = self.model.encoder.encode(tail_text if tail_text is not None else scan.data[start:].decode("utf-8"))
+        return _Tail(ids, None, 0, cut=start, canonical=True)
+
+    def _remember(self, scan: Scan, keyed: list[int], tail: _Tail[Out], start: int) -> None:
+        """File a canonical tail's encoding as ``scan``'s (see :meth:`_canonical_tail`), with
+        where its keyed cuts and last stable cut fall in it."""
+        ids = tail.flat()
+        id_of = self.model.boundary_id_of
+        prior = tail.prior
+        if prior is not None:
+            at = {c: t - tail.lo for c, t in prior.cut_tokens.items() if c >= start}
+            scan.encoded = Encoded(start, ids, _cut_tokens(scan, keyed, ids, id_of, tail.cut, tail.hi - tail.lo, at))
+        else:
+            scan.encoded = Encoded(start, ids, _cut_tokens(scan, keyed, ids, id_of, start, 0, {start: 0}))
 
     # -- step 1: the hit -----------------------------------------------------------------
 
@@ -650,8 +743,7 @@ class Lookup(Generic[Ids, Out]):
             # The cuts are safe boundaries, so the tail encodes in one call; where each
             # cut falls is found from the boundary ids on the write path, if ever needed.
             # Nothing recorded applies here (no store is given then): a head may serve.
-            ids, head, in_head = self._canonical_tail(scan, keyed, tail_text, hit.start, hit.tokens)
-            return _Tail(ids, None, 0, head, in_head)
+            return self._canonical_tail(scan, keyed, tail_text, hit.start, hit.tokens)
         pieces: list[tuple[bytes, bytes]] = []
         a = hit.start
         for s_i, e_i in spans[hit.first_new:]:
@@ -682,7 +774,7 @@ class Lookup(Generic[Ids, Out]):
                 raise TierNeeded(candidates)
         if not splices:
             if self.model.boundary_ids:
-                return _Tail(self._canonical_tail(scan, keyed, tail_text, hit.start)[0], None, 0)
+                return self._canonical_tail(scan, keyed, tail_text, hit.start)
             flat, ends = encoder.encode_pieces([(b + t).decode("utf-8") for b, t in pieces])
             return _Tail(flat, ends, 0)
         # Spliced pieces are encoded as two texts (header, token) around the recorded ids.

@@ -96,11 +96,15 @@ def _read_model(engine: ModelEngine) -> Iterator[ReadModel]:
         store.close()
 
 
+@pytest.mark.parametrize("defer", [False, True], ids=["settled", "deferred"])
 @pytest.mark.parametrize("mode,add,salt", [("exact", False, ""), ("exact", True, "t"), ("kv-stable", False, ""),
                                            ("kv-stable", True, "tenant")])
 def test_native_and_python_paths_agree_along_long_chats(engine: ModelEngine, model: ReadModel, own_model: ReadModel,
-                                                        mode: str, add: bool, salt: str,
+                                                        mode: str, add: bool, salt: str, defer: bool,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """``deferred``: the native side returns its bookkeeping (Result.later), which is settled
+    after the caller got, and mutated, its list (as a client's write-behind does); it must make
+    the same write and head as settling at once."""
     store = Store.open(prefix=f"tkt-fast-{uuid.uuid4().hex[:8]}", fingerprint=engine.fingerprint, size=16 << 20,
                        id_bytes=3)
     reader = StoreReader.attach_name(store.name)
@@ -109,7 +113,7 @@ def test_native_and_python_paths_agree_along_long_chats(engine: ModelEngine, mod
     try:
         fast_memo: ChainMemo[Chunks] = ChainMemo(LISTS)
         ref_memo: ChainMemo[Chunks] = ChainMemo(LISTS)
-        fast: Lookup[Chunks, list[int]] = Lookup(own_model, reader, fast_memo)
+        fast: Lookup[Chunks, list[int]] = Lookup(own_model, reader, fast_memo, defer=defer)
         ref: Lookup[Chunks, list[int]] = Lookup(model, reader, ref_memo)
         rng = random.Random(f"{engine.name}-{mode}-{add}")
         msgs: list[dict[str, Any]] = [{"role": "system", "content": _para(rng, 200)}]
@@ -122,6 +126,14 @@ def test_native_and_python_paths_agree_along_long_chats(engine: ModelEngine, mod
             want = ref.tokenize(text, add_special_tokens=add, salt=salt, mode=mode)
             monkeypatch.setattr(lookup_mod, "_native", counting)
             assert got.ids == want.ids, (turn, got.decision, want.decision)
+            assert want.later is None
+            if defer:
+                assert got.write is None and got.ready is None and got.later is not None, turn
+                served = list(got.ids)
+                got.ids.append(-1)  # the caller's list, changed before the bookkeeping ran
+                got.ids[0] = -2
+                got.write, got.ready = fast.settle(got.later)
+                got.ids = served
             if got.ready is not None:  # after the reply, as the write-behind does
                 fast.heads.build(got.ready)
             assert want.ready is None or want.ready.tokens <= len(want.ids)
