@@ -172,11 +172,6 @@ class Settler:
                     self._items.popleft()
 
 
-class _NoSettler(Settler):
-    def __init__(self) -> None:
-        super().__init__(lambda later: (None, None), lambda *a: None)
-
-
 class WriteBehind:
     """Stores what reads learned, after their reply; bounded; never raises.
 
@@ -207,7 +202,7 @@ class WriteBehind:
         self._bound = bound
         self.heads: Heads[Chunks, list[int]] = heads if heads is not None else Heads(LISTS)
         # Reads' bookkeeping, settled before the writes it makes (see attach).
-        self.settler: Settler = _NoSettler()
+        self.settler = Settler(lambda later: (None, None), lambda *args: None)
         # Guards _items (offered and not yet done, in offer order; their states), _busy,
         # _thread, _parked and _closed. _done is notified when a store ends (waiters for a
         # write); _work wakes the background thread, only when it is parked.

@@ -47,6 +47,7 @@ from tokcache.store.keys import KEY_GRID, MODE_EXACT, MODE_KV_STABLE, TextKeys, 
 __all__ = [
     "CacheView",
     "Decision",
+    "Later",
     "Limits",
     "Lookup",
     "PendingWrite",
@@ -270,7 +271,7 @@ class _Hit(Generic[Ids]):
 class _Tail(Generic[Out]):
     """Step 2's answer: the tail's ids, the tokens after each piece (None: not computed),
     spliced AR tokens, and when a head was taken (see tokcache.engine.heads) the caller's
-    container of the hit's ids and the first ``in_head`` of ``ids``.
+    container of the ids before ``new``.
 
     A tail that reused this process's previous encoding (``prior``, see
     Lookup._canonical_tail) is ``prior.ids[lo:hi] + new`` and is only joined into one list
@@ -283,7 +284,6 @@ class _Tail(Generic[Out]):
     ends: list[int] | None
     spliced: int
     head: Out | None = None
-    in_head: int = 0
     new: list[int] | None = None
     prior: Encoded | None = None
     lo: int = 0
@@ -299,12 +299,6 @@ class _Tail(Generic[Out]):
             ids += self.new
             self.ids = ids
         return self.ids
-
-    def __len__(self) -> int:
-        if self.ids is not None:
-            return len(self.ids)
-        assert self.new is not None
-        return self.hi - self.lo + len(self.new)
 
 
 @dataclass
@@ -410,13 +404,13 @@ class Lookup(Generic[Ids, Out]):
 
     def _serve(self, scan: Scan, keys: TextKeys | None, store: CacheView | None, ar: bool, hit: _Hit[Ids],
                decision: Decision, n_chars: int, add_special_tokens: bool, salt: str, tag: bytes, tier: bool,
-               t0: int, tail_chars: int | None = None, keyed: list[int] | None = None,
+               t0: int, tail_chars: int | None = None,
                native_keys: tuple[Any, ...] | None = None) -> Result[Ids, Out]:
         """Steps 2 and 3 once the hit is known: encode the tail, build the result (and its
         bookkeeping: :meth:`settle`). ``tail_chars``: the tail's length in characters when the
         caller counted it (then the tail is decoded only if its encoding cannot reuse this
         process's previous one). ``keys`` None: the fast path's, made in settle from
-        ``native_keys`` (``keyed``: its keyed cuts)."""
+        ``native_keys`` (see :class:`Later`)."""
         t1 = time.perf_counter_ns()
         decision.timings["lookup"] = (t0, t1)
         data, affixes = scan.data, self.model.affixes
@@ -434,9 +428,11 @@ class Lookup(Generic[Ids, Out]):
         if tail_chars is None:
             tail_text = data[hit.start:].decode("utf-8") if hit.start else (scan.text or data.decode("utf-8"))
             tail_chars = len(tail_text)
-        if keyed is None:
-            assert keys is not None
+        if keys is not None:
             keyed = keys.keyed
+        else:
+            assert native_keys is not None
+            keyed = native_keys[2]
         tail = self._encode_tail(store if ar else None, scan, keyed, tail_text, hit, salt, tag, ask)
         decision.timings["encode"] = (t1, time.perf_counter_ns())
         if tail.spliced:
@@ -456,14 +452,18 @@ class Lookup(Generic[Ids, Out]):
             out = self.fmt.finish(tail.head, tail.new, 0, suffix)
         else:
             ids = tail.flat()
-            more = self.fmt.from_list(ids)
-            full = more if hit.ids is None else self.fmt.grow(hit.ids, hit.tokens, more)
+            full = self._full(hit, ids)
             out = self.fmt.result(full, hit.tokens + len(ids), prefix, suffix)
         later = Later(scan, keys, native_keys, store, ar, hit, tail, decision, full)
         if self.defer:
             return Result(out, decision, later=later)
         write, ready = self.settle(later)
         return Result(out, decision, write, ready)
+
+    def _full(self, hit: _Hit[Ids], tail: list[int]) -> Ids:
+        """The whole text's ids: the hit's, then ``tail``'s."""
+        more = self.fmt.from_list(tail)
+        return more if hit.ids is None else self.fmt.grow(hit.ids, hit.tokens, more)
 
     def settle(self, later: Later[Ids]) -> tuple[PendingWrite[Ids] | None, Ready[Ids] | None]:
         """A result's bookkeeping, after its reply: file a fast-path scan for the next turn,
@@ -485,10 +485,7 @@ class Lookup(Generic[Ids, Out]):
         if tail.canonical:
             self._remember(scan, keys.keyed, tail, hit.start)
         ids = tail.flat()
-        full = later.full
-        if full is None:
-            more = self.fmt.from_list(ids)
-            full = more if hit.ids is None else self.fmt.grow(hit.ids, hit.tokens, more)
+        full = later.full if later.full is not None else self._full(hit, ids)
         enc = scan.encoded
         if enc is not None and enc.ids is not ids:
             enc = None  # kept only when the tail is its text's plain encoding
@@ -550,7 +547,7 @@ class Lookup(Generic[Ids, Out]):
         j = keyed[pos]
         hit: _Hit[Ids] = _Hit(held, tokens, spans[j][1], key, j + 1)
         return self._serve(scan, None, store, False, hit, decision, len(text), add_special_tokens, salt, tag, False,
-                           t0, tail_chars, keyed, (salt, tag, keyed, keys_list, exact, state_cut, state_hasher))
+                           t0, tail_chars, (salt, tag, keyed, keys_list, exact, state_cut, state_hasher))
 
     def _canonical_tail(self, scan: Scan, keyed: list[int], tail_text: str | None, start: int,
                         head_at: int | None = None) -> _Tail[Out]:
@@ -570,7 +567,7 @@ class Lookup(Generic[Ids, Out]):
         ``head_at``: the tokens before ``start``, given when nothing recorded applies to
         this request; then the head the text ``scan`` extends left (see tokcache.engine.heads)
         is taken, if any (``_Tail.head``: the caller's container of the ids before the last
-        stable cut, whose last ``in_head`` are the first of the tail's).
+        stable cut, where ``_Tail.new`` starts).
         """
         base = scan.base
         memo = base.encoded if base is not None else None
@@ -580,7 +577,7 @@ class Lookup(Generic[Ids, Out]):
             if start < cut and lo is not None and hi is not None:
                 head = None if head_at is None else self.heads.take(base, cut, head_at + hi - lo)
                 new = self.model.encoder.encode(scan.data[cut:].decode("utf-8"))
-                return _Tail(None, None, 0, head, hi - lo, new, memo, lo, hi, cut, True)
+                return _Tail(None, None, 0, head, new, memo, lo, hi, cut, canonical=True)
         ids = self.model.encoder.encode(tail_text if tail_text is not None else scan.data[start:].decode("utf-8"))
         return _Tail(ids, None, 0, cut=start, canonical=True)
 
