@@ -186,9 +186,12 @@ class WriteBehind:
     - else :meth:`flush` / :meth:`close`.
 
     Writes of one conversation land in the order offered (a turn's record chains to the
-    previous turn's), whoever stores them. Between writes, the background thread (and
-    :meth:`flush`) builds the heads requests offered (``heads``: see
-    :mod:`tokcache.engine.heads`); a request never does, nor waits for one.
+    previous turn's), whoever stores them. Writes are made by settling reads (the attached
+    :class:`Settler`): the background thread and :meth:`flush` settle what is queued there
+    before storing, so a flush returns only once every read before it is stored (or was
+    too short to store). Between writes, the background thread (and :meth:`flush`) builds
+    the heads requests offered (``heads``: see :mod:`tokcache.engine.heads`); a request
+    never does, nor waits for one.
     """
 
     def __init__(self, model: str, store: Store | None, memo: ChainMemo[Chunks], learn: Learn | None,
@@ -257,7 +260,7 @@ class WriteBehind:
             self._work.notify()
 
     def skip(self) -> None:
-        """Count a write not offered (its tail was short: see LocalModel.tokenize)."""
+        """Count a write not offered (its tail was short: see LocalModel._hand_off)."""
         self._stats.writes["skipped"] += 1
 
     def flush(self, timeout: float | None = None) -> bool:

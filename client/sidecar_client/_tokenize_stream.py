@@ -274,7 +274,11 @@ class AsyncTokenizeStream:
                 self.enabled = False
             raise StreamBroken(str(exc)) from exc
         except (asyncio.InvalidStateError, grpc.aio.UsageError) as exc:
-            self._drop()  # the RPC finished between our check and the write ("RPC already finished")
+            # The RPC finished between our check and the write ("RPC already finished"): a
+            # sidecar without TokenizeStream ends it at once, so its status says which.
+            if call.done() and await call.code() == grpc.StatusCode.UNIMPLEMENTED:
+                self.enabled = False
+            self._drop()
             raise StreamBroken(str(exc)) from exc
         except asyncio.CancelledError:
             self._drop()  # a reply may still be on its way: the stream is out of step
