@@ -31,6 +31,7 @@ import json
 import multiprocessing as mp
 import os
 import platform
+import resource
 import sys
 import time
 from pathlib import Path
@@ -113,6 +114,7 @@ def _child(name: str, index: int, args: dict[str, Any], barrier: Any, out: Any) 
         lat: list[float] = []
         kept: list[tuple[int, list[int]]] = []
         c0 = time.process_time()  # this process's CPU, its write-behind thread included
+        ru0 = resource.getrusage(resource.RUSAGE_SELF)
         t0 = time.perf_counter()
         for i, text in enumerate(texts):
             s = time.perf_counter_ns()
@@ -122,6 +124,7 @@ def _child(name: str, index: int, args: dict[str, Any], barrier: Any, out: Any) 
                 kept.append((i, ids))  # checked after the clock stops
         wall = time.perf_counter() - t0
         t_end = time.time()
+        ru1 = resource.getrusage(resource.RUSAGE_SELF)
         c1 = time.process_time()
         bad = sum(ids != ref.encode(texts[i], add_special_tokens=False).ids for i, ids in kept)
         check_cpu = time.process_time() - c1  # not the contender's
@@ -134,7 +137,11 @@ def _child(name: str, index: int, args: dict[str, Any], barrier: Any, out: Any) 
         if client is not None:
             client.close()
         out.put({"index": index, "lat_us": lat, "wall": wall, "t_end": t_end, "mismatches": bad,
-                 "stats": stats, "pid": os.getpid(), "cpu_s": cpu})
+                 "stats": stats, "pid": os.getpid(), "cpu_s": cpu,
+                 # The loop's voluntary context switches (every thread of the process): each is a
+                 # wait (a lock, the GIL handed to another thread) and, with more processes than
+                 # cores, a cold cache when the process runs again.
+                 "vol_csw": ru1.ru_nvcsw - ru0.ru_nvcsw})
     except BaseException as exc:  # report, never hang the parent
         try:
             barrier.abort()
@@ -222,6 +229,7 @@ def run_one(name: str, procs: int, args: argparse.Namespace, tok_dir: Path) -> d
             "client_cpu_us_per_req": client_cpu / len(lat) * 1e6,
             "server_cpu_us_per_req": server_cpu / len(lat) * 1e6,
             "p50_us": percentile(lat, 50), "p99_us": percentile(lat, 99),
+            "vol_csw_per_req": sum(r["vol_csw"] for r in results) / len(lat),
             "mismatches": sum(r["mismatches"] for r in results), "writes": writes,
             "max_us": max(lat), "slowest": sorted(((x, r["index"], i) for r in results
                                                    for i, x in enumerate(r["lat_us"])), reverse=True)[:5],
@@ -334,6 +342,12 @@ def print_report(res: dict[str, Any]) -> None:
             else:
                 c, v = r["client_cpu_us_per_req"], r["server_cpu_us_per_req"]
                 cells.append(f"{c + v:>12.0f} = {c:>6.0f} + {v:>6.0f}")
+        print(f"{procs:>3}  " + "".join(cells))
+    print("\nVoluntary context switches per request, client processes (waits; each a cold cache when P > cores)")
+    print(f"{'P':>3}  " + "".join(f"{n:>30}" for n in names))
+    for procs, runs in res["runs"].items():
+        cells = [f"{r['vol_csw_per_req']:>30.2f}" if r and r.get("status") == "ok" and "vol_csw_per_req" in r
+                 else f"{'-':>30}" for r in (runs.get(n) for n in names)]
         print(f"{procs:>3}  " + "".join(cells))
     for procs, rs in res["ratios"].items():
         print(f"P={procs}: " + ", ".join(f"{k} {v:.2f}" for k, v in rs.items()))

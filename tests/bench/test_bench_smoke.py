@@ -74,8 +74,11 @@ def test_concurrency_quick_run_counts_requests_and_cpu(tmp_path: Path) -> None:
         for name, r in runs.items():
             assert r["status"] == "ok" and r["mismatches"] == 0, (procs, name, r)
             assert r["requests"] == int(procs) * 12 and r["client_cpu_us_per_req"] > 0, (procs, name)
+            assert r["vol_csw_per_req"] >= 0, (procs, name)
         assert runs["tokcache"]["served_by_local"] >= runs["tokcache"]["requests"]  # no RPC for reads
         assert runs["tokcache-rpc"]["served_by_local"] == 0
         assert runs["tokcache-rpc"]["server_cpu_us_per_req"] > 0  # the sidecar encodes
         assert "tokcache/fastokens+seg CPU/req" in result["ratios"][procs]
-    assert "CPU per request" in proc.stdout
+    assert "CPU per request" in proc.stdout and "Voluntary context switches per request" in proc.stdout
+    # Every tokcache-rpc request waits for its reply (about a millisecond): a switch or more each.
+    assert all(runs["tokcache-rpc"]["vol_csw_per_req"] >= 0.5 for runs in result["runs"].values())
