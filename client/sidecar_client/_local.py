@@ -77,14 +77,14 @@ MIN_FIRST_WRITE_BYTES = 4096
 # (Settler), once no request offered one for this long.
 HEADS_QUIET_S = 0.002
 # When requests came while it waited, the process is busy: the thread looks again a tick
-# later, then twice as long each time, up to WRITER_BUSY_S, until it finds the process quiet
-# (its writes wait that long at most; a conversation's next request in this process stores
-# its own at once). Each look takes the GIL from the thread serving requests: a forced
-# switch, a futex round, and a cold cache when other processes ran meanwhile; back to back,
-# a request's bookkeeping is settled by the next request anyway. bench/concurrency.py, 16
-# processes on 2 cores, per request: looking every tick (or HEADS_QUIET_S after every
-# request), 0.35-0.46 voluntary context switches and 276-304 µs of CPU; without the thread,
-# 0.03 and 256-277 µs; backing off, 0.15-0.19 and 249-263 µs.
+# later, then twice as long each time, up to WRITER_BUSY_S, until it finds the process
+# quiet (its writes wait that long at most; a conversation's next request in this process
+# stores its own at once). Each look
+# takes the GIL from the thread serving requests: a forced switch, a futex round, and a cold
+# cache when other processes ran meanwhile; back to back, a request's bookkeeping is settled
+# by the next request anyway. bench/concurrency.py, 16 processes on 2 cores, per request:
+# looking every tick (or HEADS_QUIET_S after every request), 0.35-0.40 voluntary context
+# switches and 276-304 µs of CPU; without the thread, 0.03 and 256-277 µs.
 WRITER_BUSY_S = 0.16
 
 
