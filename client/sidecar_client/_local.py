@@ -76,16 +76,6 @@ MIN_FIRST_WRITE_BYTES = 4096
 # The background thread builds heads (tokcache.engine.heads), and settles reads' bookkeeping
 # (Settler), once no request offered one for this long.
 HEADS_QUIET_S = 0.002
-# When requests came while it waited, the process is busy: the thread looks again a tick
-# later, then twice as long each time, up to WRITER_BUSY_S, until it finds the process
-# quiet (its writes wait that long at most; a conversation's next request in this process
-# stores its own at once). Each look
-# takes the GIL from the thread serving requests: a forced switch, a futex round, and a cold
-# cache when other processes ran meanwhile; back to back, a request's bookkeeping is settled
-# by the next request anyway. bench/concurrency.py, 16 processes on 2 cores, per request:
-# looking every tick (or HEADS_QUIET_S after every request), 0.35-0.40 voluntary context
-# switches and 276-304 µs of CPU; without the thread, 0.03 and 256-277 µs.
-WRITER_BUSY_S = 0.16
 
 
 class LocalUnavailable(Exception):
@@ -163,11 +153,6 @@ class Settler:
     def add(self, later: Later[Chunks], text: str, salt: str, mode: str) -> None:
         self._items.append((later, text, salt, mode))
         self._offered_at = time.monotonic()
-
-    @property
-    def offered_at(self) -> float:
-        """time.monotonic() of the last add (0.0: none yet)."""
-        return self._offered_at
 
     def quiet_in(self, quiet_s: float) -> float:
         """Seconds until nothing was added for ``quiet_s`` (<= 0: now), as Heads.quiet_in."""
@@ -329,23 +314,19 @@ class WriteBehind:
 
     def _run(self) -> None:
         idle = 0
-        # The offers seen before its last wait, and how long it waits while requests keep
-        # coming (see WRITER_BUSY_S).
-        waited_for: tuple[float, float] | None = None
-        busy_s = 0.0
         while True:
             settle = False
             item = None
             with self._lock:
                 while True:
                     settler = self.settler
-                    quiet_s = WRITER_TICK_S
+                    wait_s = WRITER_TICK_S
                     if settler.pending:  # settled once requests pause, before writes (it makes them)
                         left = settler.quiet_in(HEADS_QUIET_S)
                         if left <= 0:
                             settle = True
                             break
-                        quiet_s = min(quiet_s, left)
+                        wait_s = min(wait_s, left)
                     item = None if self._busy else next((i for i in self._items if i.state == 0), None)
                     if item is not None:
                         break
@@ -353,19 +334,14 @@ class WriteBehind:
                         left = self.heads.quiet_in(HEADS_QUIET_S)
                         if left <= 0:
                             break
-                        quiet_s = min(quiet_s, left)
-                    offers = (settler.offered_at, self.heads.offered_at)
-                    if waited_for is not None and offers != waited_for:  # requests came while it waited
-                        busy_s = min(2 * busy_s, WRITER_BUSY_S) if busy_s else WRITER_TICK_S
-                    waited_for = offers
-                    wait_s = busy_s or quiet_s  # busy until it finds the process quiet
+                        wait_s = min(wait_s, left)
                     if self._closed:
                         return
                     if idle >= WRITER_PARK_TICKS and not self.heads.pending and not settler.pending:  # park
                         self._parked = True
                         self._work.wait()
                         self._parked = False
-                        idle, waited_for, busy_s = 0, None, 0.0  # woken by a request after a pause
+                        idle = 0
                     else:
                         self._work.wait(wait_s)
                         idle += 1
@@ -375,12 +351,10 @@ class WriteBehind:
             idle = 0
             if settle:
                 self.settler.run()
-                waited_for, busy_s = None, 0.0  # quiet (its heads' offers are this thread's)
             elif item is not None:
                 self._store_one(item)
             else:
                 self.heads.build_pending()
-                busy_s = 0.0  # quiet
 
     def _store_one(self, item: _Pending, lock_timeout: float | None = None) -> None:
         """Store one taken item (state 1), then mark it done (or queued again when the

@@ -93,11 +93,6 @@ class Heads(Generic[Ids, Out]):
                 del pending[next(iter(pending))]
         return True
 
-    @property
-    def offered_at(self) -> float:
-        """time.monotonic() of the last offer taken (0.0: none yet)."""
-        return self._offered_at
-
     def quiet_in(self, quiet_s: float) -> float:
         """Seconds until no head was offered for ``quiet_s`` (<= 0: now): the write-behind
         builds heads once requests pause (between a conversation's turns), not while they
