@@ -646,7 +646,30 @@ static PyObject *py_cut_tokens(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* ---------------------------------------------------------------------------------- */
+/* common_prefix: how many leading bytes two texts share (a rewritten history's base). */
+
+PyDoc_STRVAR(common_prefix_doc,
+"common_prefix(a, b) -> int\n\n"
+"The length of the longest common prefix of the bytes-like ``a`` and ``b`` (boundaries.py's\n"
+"_common_prefix is the reference).");
+
+static PyObject *py_common_prefix(PyObject *self, PyObject *args) {
+    Py_buffer a, b;
+    if (!PyArg_ParseTuple(args, "y*y*", &a, &b)) return NULL;
+    const unsigned char *p = a.buf, *q = b.buf;
+    Py_ssize_t n = a.len < b.len ? a.len : b.len, i = 0;
+    /* Whole blocks first (memcmp is vectorised), then the block that differs byte by byte. */
+    while (i + 4096 <= n && memcmp(p + i, q + i, 4096) == 0) i += 4096;
+    while (i + 64 <= n && memcmp(p + i, q + i, 64) == 0) i += 64;
+    while (i < n && p[i] == q[i]) i++;
+    PyBuffer_Release(&a);
+    PyBuffer_Release(&b);
+    return PyLong_FromSsize_t(i);
+}
+
 static PyMethodDef methods[] = {
+    {"common_prefix", py_common_prefix, METH_VARARGS, common_prefix_doc},
     {"cut_tokens", py_cut_tokens, METH_VARARGS, cut_tokens_doc},
     {"extend", py_extend, METH_VARARGS, extend_doc},
     {NULL, NULL, 0, NULL},
@@ -682,7 +705,7 @@ PyMODINIT_FUNC PyInit__speedups(void) {
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
     Py_INCREF(&MatcherType);
-    if (PyModule_AddIntConstant(m, "API", 3) < 0 || PyModule_AddObject(m, "Matcher", (PyObject *)&MatcherType) < 0) {
+    if (PyModule_AddIntConstant(m, "API", 4) < 0 || PyModule_AddObject(m, "Matcher", (PyObject *)&MatcherType) < 0) {
         Py_DECREF(&MatcherType);
         Py_DECREF(m);
         return NULL;

@@ -23,6 +23,7 @@ import logging
 import re
 import sys
 import threading
+from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -37,7 +38,7 @@ log = logging.getLogger(__name__)
 # The added-token scan in C (``_speedups.c``: the same matches as the trie regex below) when
 # the extension was built. TOKCACHE_PURE_PYTHON=1 forces the regex (the tests compare both).
 def _load_native() -> Any:  # noqa: ANN401 - the extension module, or None
-    return native.load("tokcache.engine._speedups", 3)
+    return native.load("tokcache.engine._speedups", 4)
 
 
 _native: Any = _load_native()
@@ -189,6 +190,37 @@ class Scan:
         """Bytes this entry keeps alive (for the memo's budget)."""
         return len(self.data) + (sys.getsizeof(self.text) if self.text is not None else 0)
 
+    def prefix(self, limit: int) -> Scan | None:
+        """A base for a text that shares this one's first ``limit + maxlen - 1`` bytes and then
+        differs (a rewritten history): this text up to the end of a boundary span starting
+        before ``limit`` — the last one where its canonical encoding is known (``encoded``), else
+        the last one — with its spans, key states and encoding up there. None: no such span.
+
+        Every match that starts before ``limit`` is the same in both texts (no added token is
+        longer than ``maxlen``, and matching is left to right), and the end of a match is where
+        a full scan resumes, so :meth:`BoundaryScanner._finish` scans the other text from that
+        end. Not a text of its own: never filed, read once."""
+        spans = self.spans
+        k = bisect_left(spans, (limit, -1))  # spans[:k] start before limit
+        if k == 0:
+            return None
+        j = k - 1
+        enc = self.encoded
+        if enc is not None:
+            at = enc.cut_tokens
+            while j >= 0 and spans[j][1] not in at:
+                j -= 1
+            if j < 0 or enc.start > spans[j][1]:
+                j, enc = k - 1, None
+        end = spans[j][1]
+        if enc is not None:
+            enc = Encoded(enc.start, enc.ids, {c: t for c, t in enc.cut_tokens.items() if c <= end})
+        # Key states (tokcache.store.keys.KeyState) cut back to span j: their keys up there are
+        # the other text's too; the hasher is rebuilt where it is needed (TextKeys).
+        hashers = {ns: st.at(j) for ns, st in self.hashers.items() if st.cut >= j}
+        return Scan(self.data[:end], spans[:j + 1], [], end, end, text=None, hashers=hashers, stable=j + 1,
+                    encoded=enc)
+
 
 # Scan memo: recent texts within a byte budget, found by a window near their end.
 #
@@ -206,6 +238,32 @@ _MEMO_PROBES = 48  # anchors tried: a base up to ~192K units shorter is found
 _MEMO_PER_KEY = 32  # texts filed under one key (many conversations' first turns may share one)
 _MEMO_CHECK = 256  # units before a candidate's end compared before the whole of it
 _MEMO_RECENT = 4  # the latest texts, tried before any anchor (one per conversation in flight)
+
+
+# A text that extends none of the latest may still share a long prefix with one of them: a
+# conversation whose history the template rewrote (Qwen3 drops earlier turns' reasoning once
+# the user speaks again). Its spans, keys and encoding up to where they differ are reused
+# (Scan.prefix) when at least this many bytes are shared.
+_SHARED_MIN = 4096
+
+
+def _common_prefix(a: bytes, b: bytes) -> int:
+    """The length of the longest common prefix of ``a`` and ``b`` (the reference of the C one)."""
+    n = min(len(a), len(b))
+    lo = 0
+    while lo < n and a[lo:lo + 4096] == b[lo:lo + 4096]:
+        lo += 4096
+    hi = min(n, lo + 4096)  # a[:lo] == b[:lo]; the first difference, if any, is before hi
+    while lo < hi:  # bisect: a[:lo] == b[:lo], and a[:hi + 1] != b[:hi + 1] once hi moved
+        mid = (lo + hi + 1) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+common_prefix = _native.common_prefix if _native is not None else _common_prefix
 
 
 def _anchor(n: int) -> int:
@@ -315,7 +373,8 @@ class BoundaryScanner:
         """The boundary spans of UTF-8 ``data`` (== a full scan), reusing a recent text it extends."""
         if self._pattern is None:
             return Scan(data, [], [], len(data), 0)
-        return self._finish(data, self._base(data), None)
+        base = self._base(data)
+        return self._finish(data, base if base is not None else self._shared(data), None)
 
     def scan_text(self, text: str) -> Scan:
         """:meth:`scan` of ``text`` (its UTF-8 is ``Scan.data``): when a recent text scanned
@@ -337,7 +396,19 @@ class BoundaryScanner:
                 raise UnicodeEncodeError(exc.encoding, text, exc.start + n, exc.end + n, exc.reason) from None
         else:
             data = text.encode("utf-8")
+            base = self._shared(data)
         return self._finish(data, base, text)
+
+    def _shared(self, data: bytes) -> Scan | None:
+        """A base for ``data``, which extends none of the latest texts, from the one it shares
+        the longest prefix with (at least _SHARED_MIN bytes; see :meth:`Scan.prefix`), or None."""
+        best: Scan | None = None
+        shared = _SHARED_MIN - 1
+        for c in tuple(self._recent):  # a snapshot (other threads file too)
+            n = common_prefix(data, c.data)
+            if n > shared:
+                best, shared = c, n
+        return None if best is None else best.prefix(shared - self._maxlen + 1)
 
     def _base(self, seq: str | bytes) -> Scan | None:
         """The longest recent text that ``seq`` extends (a str: one scanned from a str), or None."""

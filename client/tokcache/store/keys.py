@@ -115,7 +115,8 @@ class KeyState(NamedTuple):
     """Where hashing one text stopped, for a text that extends it (``TextKeys(resume=...)``).
 
     ``hasher`` was fed the namespace header and ``data[:spans[cut][1]]`` and is never
-    updated again (a user copies it). ``keyed`` are that text's keyed cut indices and
+    updated again (a user copies it); None when it is to be rebuilt from the text (a state
+    cut back with :meth:`at`). ``keyed`` are that text's keyed cut indices and
     ``l1`` their keys by position in ``keyed`` (None where not computed); ``ar`` its AR keys
     by cut index. Only entries at cuts ``<= cut`` are meant (the text's own lists, shared,
     not copied). Valid for any text whose first ``cut + 1`` boundary spans, and the bytes
@@ -127,6 +128,13 @@ class KeyState(NamedTuple):
     l1: list[bytes | None]
     ar: list[bytes | None]
     keyed: list[int]
+
+    def at(self, cut: int) -> KeyState:
+        """This state cut back to an earlier cut (<= ``self.cut``), for a text that shares only
+        the bytes up there: the same keys, no hasher (TextKeys rebuilds it in one pass)."""
+        if cut > self.cut:
+            raise ValueError(f"cut {cut} is past this state's {self.cut}")
+        return KeyState(cut, self.hasher if cut == self.cut else None, self.l1, self.ar, self.keyed)
 
 
 # Random access below the keys a request hashes anyway (the longest-prefix search after a
@@ -172,7 +180,14 @@ class TextKeys:
         self._spans = spans
         n = len(spans)
         ok = resume is not None and resume.cut < n and spans[resume.cut][1] <= len(data)
-        r = self._resume = resume if ok else None
+        r = resume if ok else None
+        if r is not None and r.hasher is None:
+            # A state cut back (KeyState.at): one pass over the shared bytes, which blake3
+            # hashes several times faster in one call than a key at a time.
+            h = self._root.copy()
+            h.update(memoryview(data)[:spans[r.cut][1]])
+            r = r._replace(hasher=h)
+        self._resume = r
         if r is not None:
             p = bisect_right(r.keyed, r.cut)
             keyed = r.keyed[:p]

@@ -112,6 +112,52 @@ def test_incremental_scan_equals_full_scan(qwen3_path: Path) -> None:
             assert scan.data == data and scan.spans == fresh.spans(data), text
 
 
+def test_a_rewritten_text_reuses_the_prefix_it_shares(qwen3_path: Path) -> None:
+    """A text that extends none of the latest texts but shares a long prefix with one (a chat
+    template that rewrote history) takes its spans up to a span before where they differ and
+    scans only after it; the result equals a full scan, whatever the rewrite cuts through."""
+    import random
+
+    path = qwen3_path / "tokenizer.json"
+    check = check_boundaries(path, TokenizersEncoder(path))
+    added = [str(t["content"]) for t in json.loads(path.read_text())["added_tokens"]]
+    fresh = BoundaryScanner(added, check.boundary_tokens, memo_bytes=0)
+    rng = random.Random(11)
+    parts = ["<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "x", " ", "\n", "<|im_",
+             "end|>", "<", "|", ">", "think>", "你好", "<tool_response>", "word " * 40]
+    reused = 0
+    for scanner in (BoundaryScanner.from_tokenizer(path, check),
+                    BoundaryScanner(added, check.boundary_tokens, native=False)):
+        for _ in range(60):
+            text = "".join(rng.choice(parts) for _ in range(rng.randint(200, 600)))
+            assert scanner.scan_text(text).spans == fresh.spans(text.encode())
+            for _ in range(3):  # rewrite at a random point (often inside a token), then append
+                at = rng.randint(len(text) // 3, len(text))
+                text = text[:at] + "".join(rng.choice(parts) for _ in range(rng.randint(0, 40)))
+                scan = scanner.scan_text(text) if rng.random() < 0.5 else scanner.scan(text.encode())
+                assert scan.data == text.encode()
+                assert scan.spans == fresh.spans(scan.data), text
+                reused += 0 < scan.base_len < len(scan.data)
+    assert reused > 100  # most rewrites shared enough to reuse a prefix
+
+
+def test_common_prefix_native_equals_reference() -> None:
+    import random
+
+    from tokcache.engine import boundaries
+
+    rng = random.Random(5)
+    fns = [boundaries._common_prefix] + ([boundaries._native.common_prefix] if boundaries._native else [])
+    for _ in range(300):
+        n = rng.choice([0, 1, 63, 64, 65, 4095, 4096, 4097, 9000, 20000])
+        a = bytes(rng.randrange(3) for _ in range(n))
+        at = rng.randint(0, n)
+        b = a[:at] + bytes(rng.randrange(3) for _ in range(rng.randint(0, 50)))
+        want = next((i for i in range(min(len(a), len(b))) if a[i] != b[i]), min(len(a), len(b)))
+        for fn in fns:
+            assert fn(a, b) == want == fn(b, a)
+
+
 def test_scan_memo_tells_conversations_apart(qwen3_path: Path) -> None:
     """Many conversations of one agent share a long system prompt; each turn still finds its
     own previous turn (only the new text is scanned), the result equals a full scan, and the

@@ -119,3 +119,35 @@ def test_namespaces_differ() -> None:
         keys.fill_ar(0, 2)
     assert len({a.exact_key(), b.exact_key(), c.exact_key()}) == 3
     assert len({a.key_at(1), b.key_at(1), c.key_at(1), a.ar_key(1), a.exact_key()}) == 5
+
+
+@settings(max_examples=200, deadline=None)
+@given(_texts(), st.binary(max_size=200), st.integers(0, 30), _GRIDS, st.booleans(), st.data())
+def test_a_text_resumed_from_a_state_cut_back_has_the_same_keys(
+        base: tuple[bytes, list[tuple[int, int]]], other: bytes, lo: int, grid: int, ar: bool,
+        data_: st.DataObject) -> None:
+    """A text that shares only a prefix of another (a rewritten history) takes the other's key
+    state cut back to a span inside that prefix (KeyState.at: no hasher, rebuilt in one pass):
+    every key equals the one computed from scratch."""
+    data, spans = base
+    first = TextKeys(data, spans, "s", MODE_KV_STABLE, grid=grid)
+    first.scan_tail(len(first.keyed) - lo, keep=len(spans))
+    if ar:
+        first.fill_ar(0, len(spans))
+    state = first.state()
+    if state is None or not spans:
+        return
+    cut = data_.draw(st.integers(0, state.cut))
+    shared = spans[cut][1]
+    text = data[:shared] + other
+    new_spans = spans[:cut + 1] + [(shared + k, shared + k + 1) for k in range(0, len(other) - 1, 7)]
+    l1, ar_keys, exact = _reference(text, new_spans, "s", MODE_KV_STABLE)
+    keys = TextKeys(text, new_spans, "s", MODE_KV_STABLE, state.at(cut), grid=grid)
+    assert keys.keyed == _keyed(new_spans, grid)
+    keys.scan_tail(len(keys.keyed) - lo, keep=len(new_spans))
+    assert keys.exact_key() == exact
+    assert [keys.key_at(p) for p in range(len(keys.keyed))] == [l1[i] for i in keys.keyed]
+    keys.fill_ar(0, len(new_spans))
+    assert [keys.ar_key(i) for i in range(len(new_spans))] == ar_keys
+    later = keys.state()
+    assert later is None or later.hasher is not None  # a state passed on always has its hasher
