@@ -301,6 +301,19 @@ static int feed(PyObject *h, PyObject *data, Py_ssize_t a, Py_ssize_t b) {
     return 0;
 }
 
+/* The characters of n bytes of valid UTF-8: the bytes that are not continuation bytes
+ * (10xxxxxx), counted eight at a time (a tail of 16 KB byte by byte took ~5 us). */
+static Py_ssize_t utf8_chars(const unsigned char *d, Py_ssize_t n) {
+    Py_ssize_t cont = 0, i = 0;
+    for (; i + 8 <= n; i += 8) {
+        uint64_t x;
+        memcpy(&x, d + i, 8);
+        cont += __builtin_popcountll(x & ~(x << 1) & 0x8080808080808080ULL);
+    }
+    for (; i < n; i++) cont += (d[i] & 0xC0) == 0x80;
+    return n - cont;
+}
+
 /* The attribute ``name`` of ``o`` as a Py_ssize_t. */
 static int attr_ssize(PyObject *o, PyObject *name, Py_ssize_t *out) {
     PyObject *v = PyObject_GetAttr(o, name);
@@ -539,8 +552,7 @@ static PyObject *py_extend(PyObject *self, PyObject *args) {
     {
         Py_ssize_t ci, si;
         if (as_ssize(PyList_GET_ITEM(keyed, pos), &ci) < 0 || span_at(spans, ci, &si, &hit_start) < 0) goto fail;
-        const unsigned char *d = (const unsigned char *)PyBytes_AS_STRING(data);
-        for (Py_ssize_t i = hit_start; i < total; i++) tail_chars += (d[i] & 0xC0) != 0x80;
+        tail_chars = utf8_chars((const unsigned char *)PyBytes_AS_STRING(data) + hit_start, total - hit_start);
     }
     result = Py_BuildValue("(OOOOnnnOOOnOnOOOn)", base, data, spans, tail_list, tail_from, kept_end, stable, keyed,
                            keys, state, last, exact, pos, key, PyTuple_GET_ITEM(held, 0), PyTuple_GET_ITEM(held, 1),
