@@ -66,7 +66,7 @@ WRITER_PARK_TICKS = 50
 # Each look takes the GIL from the thread serving requests: with more processes than cores
 # that thread is often preempted holding it, and the look waits, forces a switch and leaves a
 # cold cache. bench/concurrency.py, 16 processes on 2 cores, per request: looking every tick,
-# 0.37 voluntary context switches and 275-300 µs of CPU; every 0.1 s, 0.13 and 248 µs.
+# 0.36-0.40 voluntary context switches and 275-303 µs of CPU; with this, 0.25-0.29 and 254-263.
 WRITER_IDLE_TICK_S = 0.16
 # A read whose uncached tail is shorter than this many UTF-8 bytes stores nothing. This
 # process re-encodes none of it (its next turn starts from its own previous encoding, see
