@@ -257,7 +257,7 @@ class WriteBehind:
         read, and store the writes the request left queued (see :meth:`_wake`)."""
         with self._lock:
             if not self._closed:
-                self._wake(waiting=any(i.state == 0 for i in self._items))
+                self._wake(waiting=bool(self._items) and any(i.state == 0 for i in self._items))
 
     def _wake(self, waiting: bool = False) -> None:
         """Lock held: start the background thread, or wake it from a park, or (``waiting``: a
@@ -714,9 +714,10 @@ class LocalPaths:
                 self.count_fallback(model)
                 return None
         t0 = time.perf_counter_ns()
+        mode = mode or self.default_mode(model)
         try:
             result = local.tokenize(text, add_special_tokens=add_special_tokens is not False,
-                                    salt=cache_salt or "", mode=mode or self.default_mode(model))
+                                    salt=cache_salt or "", mode=mode)
         except InvalidRequest as exc:
             raise InvalidArgumentError(str(exc), field=exc.field) from exc
         except RequestTooLarge as exc:
@@ -730,7 +731,7 @@ class LocalPaths:
                              CacheDecision(d.source, d.cached_tokens, d.cached_chars, d.encoded_chars,
                                            d.ar_spliced_tokens, d.boundaries, d.l1_disabled_reason),
                              local.backend, None, "local")
-        trace_local(model, local.fingerprint, out, mode or self.default_mode(model), bool(cache_salt), t0, trace)
+        trace_local(model, local.fingerprint, out, mode, bool(cache_salt), t0, trace)
         return out
 
     def _fallback(self, model: str, reason: str, message: str) -> None:
