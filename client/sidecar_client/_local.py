@@ -60,14 +60,6 @@ INLINE_LOCK_S = 0.01  # how long a request storing its previous turn's write wai
 # ticks: an idle process's write lands within a tick, a busy one's offers wake nothing.
 WRITER_TICK_S = 0.02
 WRITER_PARK_TICKS = 50
-# A look that finds nothing to do (this process's requests store and settle their own, as a
-# conversation's next turn here does) doubles the wait before the next, up to this; a request
-# that leaves a write queued wakes a thread waiting longer than a tick (see WriteBehind.poke).
-# Each look takes the GIL from the thread serving requests: with more processes than cores
-# that thread is often preempted holding it, and the look waits, forces a switch and leaves a
-# cold cache. bench/concurrency.py, 16 processes on 2 cores, per request: looking every tick,
-# 0.36-0.40 voluntary context switches and 275-303 µs of CPU; with this, 0.25-0.29 and 254-263.
-WRITER_IDLE_TICK_S = 0.16
 # A read whose uncached tail is shorter than this many UTF-8 bytes stores nothing. This
 # process re-encodes none of it (its next turn starts from its own previous encoding, see
 # Lookup._canonical_tail); another process that gets the conversation's next turn encodes at
@@ -223,8 +215,7 @@ class WriteBehind:
         self._items: list[_Pending] = []
         self._busy = False  # a write is being stored (by any thread): one at a time
         self._thread: threading.Thread | None = None
-        self._parked = False  # the thread waits for an offer (else it looks every _tick)
-        self._tick = WRITER_TICK_S  # its wait between looks: WRITER_TICK_S to WRITER_IDLE_TICK_S
+        self._parked = False  # the thread waits for an offer (else it looks every WRITER_TICK_S)
         self._closed = False
 
     def attach(self, settler: Settler) -> None:
@@ -253,22 +244,19 @@ class WriteBehind:
         return True
 
     def poke(self) -> None:
-        """After a request: have the background thread build the heads offered, settle the
-        read, and store the writes the request left queued (see :meth:`_wake`)."""
+        """Have the background thread build the heads offered (see :meth:`_wake`)."""
         with self._lock:
             if not self._closed:
-                self._wake(waiting=bool(self._items) and any(i.state == 0 for i in self._items))
+                self._wake()
 
-    def _wake(self, waiting: bool = False) -> None:
-        """Lock held: start the background thread, or wake it from a park, or (``waiting``: a
-        write waits for it) from a wait longer than a tick. Else it is not woken: while requests
-        keep coming it looks on its own every tick, and a request costs no wake-up (a futex
-        call and a GIL hand-off inside the caller's request)."""
+    def _wake(self) -> None:
+        """Lock held: start the background thread, or wake it from a park. Woken only from a
+        park: while requests keep coming it looks on its own every WRITER_TICK_S, and a
+        request costs no wake-up (a futex call and a GIL hand-off inside the caller's request)."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="tokcache-write-behind", daemon=True)
             self._thread.start()
-        elif self._parked or (waiting and self._tick > WRITER_TICK_S):
-            self._tick = WRITER_TICK_S
+        elif self._parked:
             self._work.notify()
 
     def skip(self) -> None:
@@ -332,7 +320,7 @@ class WriteBehind:
             with self._lock:
                 while True:
                     settler = self.settler
-                    wait_s = self._tick
+                    wait_s = WRITER_TICK_S
                     if settler.pending:  # settled once requests pause, before writes (it makes them)
                         left = settler.quiet_in(HEADS_QUIET_S)
                         if left <= 0:
@@ -357,9 +345,6 @@ class WriteBehind:
                     else:
                         self._work.wait(wait_s)
                         idle += 1
-                        # Nothing to do at that look: look later next time (see WRITER_IDLE_TICK_S).
-                        self._tick = min(2 * self._tick, max(WRITER_IDLE_TICK_S, WRITER_TICK_S))
-                self._tick = WRITER_TICK_S  # found work: more may follow
                 if item is not None:
                     item.state = 1
                     self._busy = True

@@ -411,39 +411,6 @@ def test_the_next_turn_stores_the_previous_turns_write_in_its_own_thread(
         assert c.flush(5)
 
 
-def test_a_write_left_queued_wakes_a_thread_that_looks_rarely(
-        sidecar: tuple[SidecarProcess, int], qwen3_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A background thread that found nothing to do looks less and less often (up to
-    WRITER_IDLE_TICK_S, a minute here); a request that leaves a write queued for it (another
-    conversation's, which no request here stores inline) wakes it, and the write lands at once."""
-    import time
-
-    from sidecar_client import _local
-
-    proc, _ = sidecar
-    monkeypatch.setattr(_local, "WRITER_TICK_S", 0.01)
-    monkeypatch.setattr(_local, "WRITER_IDLE_TICK_S", 60.0)
-    one, two = _agent_turns(1, 900)[0], _agent_turns(1, 1400)[0]  # two conversations
-    with SidecarClient(proc.address, min_write_bytes=0) as c:
-        while c.tokenize("qwen3", text="warm up").served_by != "local":
-            pass
-        assert c.flush(5)
-        local = c._local.get("qwen3") if c._local is not None else None
-        assert local is not None
-        writer = local.writer
-        deadline = time.monotonic() + 10
-        while writer._tick < 5 and time.monotonic() < deadline:  # idle looks: 0.01, 0.02, ... s apart
-            time.sleep(0.05)
-        assert writer._tick >= 5
-        stored = c.stats()["writes"].get("stored", 0)
-        c.tokenize("qwen3", text=one, add_special_tokens=False)
-        c.tokenize("qwen3", text=two, add_special_tokens=False)  # settles the first: its write waits
-        deadline = time.monotonic() + 3
-        while c.stats()["writes"].get("stored", 0) < stored + 2 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert c.stats()["writes"].get("stored", 0) >= stored + 2, c.stats()
-
-
 def test_a_short_uncached_tail_stores_nothing_and_costs_no_re_encoding(
         sidecar: tuple[SidecarProcess, int], qwen3_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """min_write_bytes: a read whose uncached tail is shorter stores nothing, so the next turns
