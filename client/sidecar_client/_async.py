@@ -12,7 +12,7 @@ from typing import Any
 import grpc
 
 from sidecar_client import _core
-from sidecar_client._local import MIN_WRITE_BYTES, LocalPaths
+from sidecar_client._local import MIN_WRITE_BYTES, PENDING_POLL_S, PENDING_WAIT_S, LocalPaths, RecordPending
 from sidecar_client._models import ModelInfo, RecordResult, RecordSummary, TokenizeResult
 from sidecar_client._tokenize_stream import AsyncTokenizeStream
 from sidecar_client.errors import TokcacheError, translate
@@ -84,12 +84,29 @@ class AsyncSidecarClient:
                 local.set_models(await self.list_models())
             except TokcacheError:
                 pass  # the RPC path reports it
-        return local.tokenize(model, text, add_special_tokens=add_special_tokens, cache_salt=cache_salt, mode=mode,
-                              trace=trace)
+        deadline = None
+        while True:
+            may_wait = deadline is None or time.monotonic() < deadline
+            try:
+                out = local.tokenize(model, text, add_special_tokens=add_special_tokens, cache_salt=cache_salt,
+                                     mode=mode, trace=trace, may_wait=may_wait)
+            except RecordPending:  # an output this text continues is on its way to the sidecar
+                if deadline is None:
+                    deadline = time.monotonic() + PENDING_WAIT_S
+                await asyncio.sleep(PENDING_POLL_S)
+                continue
+            if deadline is not None:
+                local.stats.pending["waited" if may_wait else "gave_up"] += 1
+            return out
 
     def stats(self) -> dict[str, dict[str, int]]:
         """See :meth:`SidecarClient.stats`."""
         return self.local.stats.snapshot() if self.local is not None else {}
+
+    def mark_pending(self, model: str, records: Sequence[tuple[str, str, str]], seconds: float) -> int:
+        """See :meth:`SidecarClient.mark_pending`. Not a coroutine: one put per record under
+        the segment's writer lock, each waiting for it at most ``INLINE_LOCK_S``."""
+        return self.local.mark_pending(model, records, seconds) if self.local is not None else 0
 
     async def flush(self, timeout: float | None = None) -> bool:
         """Wait until what in-process reads learned is stored (False on timeout)."""

@@ -26,6 +26,7 @@ sidecar restarted with another size) is noticed within ``recheck_s`` and re-atta
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import Counter, deque
@@ -45,9 +46,10 @@ from tokcache.engine.memo import ChainMemo
 from tokcache.engine.tokenizer import Manifest, ManifestMismatch, from_manifest
 from tokcache.store import Kind, LockTimeout, SegmentError, SegmentMismatch, Store, StoreError, StoreReader
 from tokcache.store._layout import RETIRED_MARK, W_RETIRED
+from tokcache.store.keys import output_key, pending_key
 
-__all__ = ["MIN_WRITE_BYTES", "LocalModel", "LocalPaths", "LocalStats", "LocalUnavailable", "WriteBehind",
-           "find_tokenizer_json"]
+__all__ = ["MIN_WRITE_BYTES", "PENDING_POLL_S", "PENDING_WAIT_S", "LocalModel", "LocalPaths", "LocalStats",
+           "LocalUnavailable", "RecordPending", "WriteBehind", "find_tokenizer_json"]
 
 log = logging.getLogger("sidecar_client.local")
 
@@ -76,6 +78,17 @@ MIN_FIRST_WRITE_BYTES = 4096
 # The background thread builds heads (tokcache.engine.heads), and settles reads' bookkeeping
 # (Settler), once no request offered one for this long.
 HEADS_QUIET_S = 0.002
+# A read whose text continues an output another process marked as on its way (its response
+# went out before the sidecar stored the record: Store.mark) asks again every PENDING_POLL_S,
+# for at most PENDING_WAIT_S (a mark lives as long as its record's RPC may), then is served
+# without that output's ids.
+PENDING_POLL_S = 0.005
+PENDING_WAIT_S = 2.0
+
+
+class RecordPending(Exception):  # a signal to the client, not an error
+    """The read's text continues a recorded output that is on its way (see PENDING_WAIT_S):
+    ask again shortly, with ``may_wait`` False once done waiting."""
 
 
 class LocalUnavailable(Exception):
@@ -93,6 +106,9 @@ class LocalStats:
     - ``tokenize``: requests answered in-process, by decision source (miss, l0, l1, ar)
     - ``fallbacks``: requests sent over RPC instead, by reason (no_segment, ..., tier: the
       sidecar has a cluster tier and no recorded output applied here)
+    - ``pending``: reads that waited for a recorded output marked as on its way (``waited``:
+      served with it, ``gave_up``: served without it after PENDING_WAIT_S), and marks put
+      (``marked``, ``withdrawn``) or not (``mark_failed``: a read-only mapping, a busy lock)
     - ``writes``: write-behind outcomes: stored, refused (parent gone, full), learned
       (sent to the sidecar to store), dropped (queue full), failed (store or RPC error),
       skipped (the uncached tail was under ``min_write_bytes``, or MIN_FIRST_WRITE_BYTES when
@@ -102,9 +118,11 @@ class LocalStats:
     tokenize: Counter[str] = field(default_factory=Counter)
     fallbacks: Counter[str] = field(default_factory=Counter)
     writes: Counter[str] = field(default_factory=Counter)
+    pending: Counter[str] = field(default_factory=Counter)
 
     def snapshot(self) -> dict[str, dict[str, int]]:
-        return {"tokenize": dict(self.tokenize), "fallbacks": dict(self.fallbacks), "writes": dict(self.writes)}
+        return {"tokenize": dict(self.tokenize), "fallbacks": dict(self.fallbacks), "writes": dict(self.writes),
+                "pending": dict(self.pending)}
 
 
 Learn = Callable[[str, str, str, str], None]
@@ -529,8 +547,12 @@ class LocalModel:
                 self._stale = self.reader.replaced or self.reader.manifest() != self._manifest_raw
         return self._stale
 
-    def tokenize(self, text: str, *, add_special_tokens: bool, salt: str, mode: str) -> Result[Chunks, list[int]]:
+    def tokenize(self, text: str, *, add_special_tokens: bool, salt: str, mode: str,
+                 may_wait: bool = False) -> Result[Chunks, list[int]]:
         """Ids of ``text`` decided in this process (the caller checked :attr:`stale` first).
+
+        ``may_wait``: raise RecordPending (nothing filed, nothing queued) when the text
+        continues a recorded output marked as on its way, instead of serving it without it.
 
         Raises the engine's InvalidRequest / RequestTooLarge for bad input, like the RPC, and
         TierNeeded (before encoding) when the sidecar has a cluster tier and no recorded output
@@ -546,10 +568,25 @@ class LocalModel:
             self.writer.settle_related(text, WAIT_RELATED_S)
         result = self.lookup.tokenize(text, add_special_tokens=add_special_tokens, salt=salt, mode=mode,
                                       tier=self.tier)
+        if may_wait and result.decision.ar_pending:
+            raise RecordPending(self.name)  # its bookkeeping is dropped: as if never read
         if result.later is not None:
             self.settler.add(result.later, text, salt, mode)
             self.writer.poke()
         return result
+
+    def mark(self, prompt_text: str, output_text: str, salt: str, expiry: int) -> bool:
+        """Mark the record of ``output_text`` after ``prompt_text`` as on its way until ``expiry``
+        (Unix seconds; 1 withdraws the mark). False when this process cannot write the
+        segment or its lock stayed busy for INLINE_LOCK_S. Never raises for store trouble."""
+        if self._writable is None:
+            return False
+        try:
+            key = pending_key(output_key(prompt_text, output_text, salt=salt))
+            return self._writable.mark(key, expiry, lock_timeout=INLINE_LOCK_S)
+        except (StoreError, UnicodeEncodeError, ValueError) as exc:
+            log.debug("tokcache: could not mark a record as pending: %r", exc)
+            return False
 
     def _hand_off(self, write: PendingWrite[Chunks] | None, ready: Ready[Chunks] | None, text: str, salt: str,
                   mode: str) -> None:
@@ -685,10 +722,13 @@ class LocalPaths:
         return local
 
     def tokenize(self, model: str, text: str, *, add_special_tokens: bool | None, cache_salt: str | None,
-                 mode: str | None, trace: Sequence[tuple[str, str]] = ()) -> TokenizeResult | None:
+                 mode: str | None, trace: Sequence[tuple[str, str]] = (),
+                 may_wait: bool = False) -> TokenizeResult | None:
         """The result decided in this process, or None (the RPC path serves; counted).
 
-        Bad input raises the client's typed errors, as the RPC would.
+        Bad input raises the client's typed errors, as the RPC would. ``may_wait``: raise
+        RecordPending when the text continues a recorded output marked as on its way (the
+        caller asks again every PENDING_POLL_S, with ``may_wait`` False after PENDING_WAIT_S).
         """
         # The request path: one dict lookup and one staleness check before the lookup itself
         # (each call layer costs microseconds when a busy process's caches are cold).
@@ -702,7 +742,7 @@ class LocalPaths:
         mode = mode or self.default_mode(model)
         try:
             result = local.tokenize(text, add_special_tokens=add_special_tokens is not False,
-                                    salt=cache_salt or "", mode=mode)
+                                    salt=cache_salt or "", mode=mode, may_wait=may_wait)
         except InvalidRequest as exc:
             raise InvalidArgumentError(str(exc), field=exc.field) from exc
         except RequestTooLarge as exc:
@@ -718,6 +758,22 @@ class LocalPaths:
                              local.backend, None, "local")
         trace_local(model, local.fingerprint, out, mode, bool(cache_salt), t0, trace)
         return out
+
+    def mark_pending(self, model: str, records: Sequence[tuple[str, str, str]], seconds: float) -> int:
+        """Mark each (prompt_text, output_text, salt) record as on its way for ``seconds`` (0:
+        withdraw the marks), so a read in any process of the node whose text continues one
+        waits for it (see :class:`RecordPending`). For a response sent before the sidecar
+        answered its record. Returns how many marks were put; never raises."""
+        local = self._models.get(model)
+        if local is None or local.stale or not records:
+            return 0
+        expiry = max(1, math.ceil(time.time() + seconds)) if seconds > 0 else 1
+        put = sum(local.mark(prompt, output, salt, expiry) for prompt, output, salt in records)
+        if put:
+            self.stats.pending["marked" if seconds > 0 else "withdrawn"] += put
+        if put < len(records):
+            self.stats.pending["mark_failed"] += len(records) - put
+        return put
 
     def _fallback(self, model: str, reason: str, message: str) -> None:
         """Lock held: RPC for ``model`` for RETRY_S; log once per (model, reason)."""

@@ -11,7 +11,7 @@ from typing import Any
 import grpc
 
 from sidecar_client import _core
-from sidecar_client._local import MIN_WRITE_BYTES, LocalPaths
+from sidecar_client._local import MIN_WRITE_BYTES, PENDING_POLL_S, PENDING_WAIT_S, LocalPaths, RecordPending
 from sidecar_client._models import ModelInfo, RecordResult, RecordSummary, TokenizeResult
 from sidecar_client._tokenize_stream import SyncTokenizeStream
 from sidecar_client.errors import TokcacheError, translate
@@ -74,13 +74,38 @@ class SidecarClient:
                 local.set_models(self.list_models())
             except TokcacheError:
                 pass  # the RPC path reports it
-        return local.tokenize(model, text, add_special_tokens=add_special_tokens, cache_salt=cache_salt, mode=mode,
-                              trace=self._metadata)
+        deadline = None
+        while True:
+            may_wait = deadline is None or time.monotonic() < deadline
+            try:
+                out = local.tokenize(model, text, add_special_tokens=add_special_tokens, cache_salt=cache_salt,
+                                     mode=mode, trace=self._metadata,
+                                     may_wait=may_wait)
+            except RecordPending:  # an output this text continues is on its way to the sidecar
+                if deadline is None:
+                    deadline = time.monotonic() + PENDING_WAIT_S
+                time.sleep(PENDING_POLL_S)
+                continue
+            if deadline is not None:
+                local.stats.pending["waited" if may_wait else "gave_up"] += 1
+            return out
 
     def stats(self) -> dict[str, dict[str, int]]:
         """What the in-process path did: ``tokenize`` by source, ``fallbacks`` to RPC by
         reason, ``writes`` (write-behind) by outcome."""
         return self._local.stats.snapshot() if self._local is not None else {}
+
+    def mark_pending(self, model: str, records: Sequence[tuple[str, str, str]], seconds: float) -> int:
+        """Mark records as on their way to the sidecar for ``seconds`` (0: withdraw the marks).
+
+        ``records``: (prompt_text, output_text, cache_salt) of outputs whose RecordOutput
+        is sent but not answered yet, e.g. because a response could not wait longer for it.
+        Until a mark expires or its record is stored, a read in any process of the node
+        whose text continues such an output waits for it (at most ``PENDING_WAIT_S``, polling)
+        instead of re-encoding the output. Needs a segment this process may write; returns
+        how many marks were put (0 without in-process reads). Never raises.
+        """
+        return self._local.mark_pending(model, records, seconds) if self._local is not None else 0
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until what in-process reads learned is stored (False on timeout)."""

@@ -12,15 +12,25 @@ own sidecar, and ``baseline`` (vLLM's own tokenizer, the plugin observe-only; 1 
 
 from __future__ import annotations
 
+import os
+import signal
 import statistics
+import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from e2e.tests.harness import (
+    BANNED,
     BLOCK_SIZE,
+    QUESTIONS,
     ConvTurn,
+    Sidecar,
     VllmServer,
+    chat_reply,
+    common_prefix,
     delta,
+    held_back,
     labelled,
     run_conversations,
     timing,
@@ -32,6 +42,7 @@ LATER = CONVS * (TURNS - 1)  # turns that must extend their conversation's previ
 # The same conversations on every server of a test (api2 and plugin have separate sidecars).
 SEED_BURST, SEED_STREAM = 10_000, 30_000
 WAIT = "tokcache_vllm_response_wait_seconds"
+STALLED = (2, 4, 6, 8)  # turns of test_a_turn_whose_record_came_late... whose response goes before its record
 
 
 def _by_turn(turns: Sequence[ConvTurn]) -> dict[int, list[ConvTurn]]:
@@ -84,6 +95,23 @@ def reads_summary(m0: Mapping[str, float], m1: Mapping[str, float]) -> str:
                                                                           for path, t in times.items()))
 
 
+def diagnosis(server: VllmServer, m0: Mapping[str, float], m1: Mapping[str, float]) -> str:
+    """What a failed exactness check needs to be explained from CI's output alone: the plugin's
+    counters over the run and the plugin's own lines in the server's log."""
+    counts = {family: labelled(m1, m0, family, label) for family, label in (
+        ("tokenize", "source"), ("served", "path"), ("fallback", "reason"), ("records", "result"),
+        ("record_skips", "reason"))}
+    waits = wait_summary(m0, m1, 0)[0]
+    opens = delta(m1, m0, "tokcache_vllm_breaker_opens_total")
+    try:
+        lines = [line for line in server.log_path.read_text(errors="replace").splitlines() if "tokcache" in line
+                 and any(w in line for w in ("WARNING", "ERROR", "refused", "breaker", "fell back", "Traceback"))]
+    except OSError as exc:
+        lines = [f"(log unreadable: {exc})"]
+    return (f"\n{counts}\n{waits}; breaker opens {opens:.0f}\nplugin log lines ({len(lines)}), last 20:\n"
+            + "\n".join(lines[-20:]))
+
+
 def tokenize_by_process(prom: Path) -> dict[int, int]:
     """``tokcache_vllm_tokenize_total`` of each API server process, read from vLLM's multiprocess directory."""
     from prometheus_client.multiprocess import MultiProcessCollector
@@ -126,8 +154,9 @@ def test_every_turn_extends_exactly_with_two_api_servers_and_with_one(api2: Vllm
            f"x2 {wait_summary(m0, m1, len(two))[0]}\n"
            f"x1 {wait_summary(p0, p1, len(one))[0]}")
 
-    assert all(t.exact for t in two if t.turn > 1), exact_table("api2", {"tokcache x2": two})
-    assert all(t.exact for t in one if t.turn > 1), exact_table("plugin", {"tokcache x1": one})
+    assert all(t.exact for t in two if t.turn > 1), exact_table("api2", {"tokcache x2": two}) + diagnosis(api2, m0, m1)
+    assert all(t.exact for t in one if t.turn > 1), exact_table("plugin", {"tokcache x1": one}) + diagnosis(plugin,
+                                                                                                            p0, p1)
     # /metrics sums the plugin's counters over both API server processes ...
     assert tokenized == CONVS * TURNS
     assert delta(m1, m0, "tokcache_vllm_fallback_total") == 0
@@ -188,3 +217,57 @@ def test_what_the_guarantee_buys(plugin: VllmServer, baseline: VllmServer, decod
     # ... so vLLM prefills less than when it re-tokenizes the history itself.
     assert sum(t.prefilled or 0 for t in tok if t.turn > 1) < sum(t.prefilled or 0 for t in base if t.turn > 1)
     assert p50 is not None and p90 is not None
+
+
+def test_a_turn_whose_record_came_late_still_extends_exactly_in_either_api_server(
+        api2: VllmServer, node_sidecar: Sidecar, decode: Callable[[list[int]], str],
+        report: Callable[[str], None]) -> None:
+    """The sidecar hangs (SIGSTOP) while a response waits for its record: after
+    TOKCACHE_RECORD_WAIT_MS the response goes anyway, its record marked as on its way in the
+    segment. The client sends the next turn at once; whichever API server process gets it
+    waits for the record (the sidecar resumes 0.5 s after the response) instead of re-encoding
+    the output — before marks, such a turn silently missed the generated ids in the other
+    process (the one that sent the record waits for its own pending records anyway)."""
+    assert node_sidecar.proc is not None
+    pid = node_sidecar.proc.pid
+    m0 = api2.metrics()
+    messages: list[dict[str, str]] = [{"role": "system", "content": "You are a helpful assistant."}]
+    expected: list[int] | None = None
+    rows, misses = [], []
+    resume: threading.Timer | None = None
+    for k in range(1, STALLED[-1] + 2):
+        stall = k in STALLED  # these responses go before their records are stored
+        messages.append({"role": "user", "content": QUESTIONS[(k - 1) % len(QUESTIONS)]})
+        body = {"model": api2.model, "messages": messages, "temperature": 1.0, "max_tokens": 40,
+                "return_token_ids": True, "seed": 50_000 + k, "logit_bias": BANNED}
+        if stall:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            reply = chat_reply(api2, body, stream=False)
+            took = time.monotonic() - t0
+        finally:
+            if stall:
+                resume = threading.Timer(0.5, os.kill, (pid, signal.SIGCONT))
+                resume.start()
+        common = None if expected is None else common_prefix(reply.prompt_ids, expected)
+        if expected is not None and common != len(expected):
+            misses.append(f"turn {k}: {common}/{len(expected)}")
+        rows.append(f"{k:>4} {'yes' if stall else 'no':>7} {took:>8.2f} "
+                    f"{'-' if expected is None else f'{common}/{len(expected)}':>10}")
+        expected = reply.prompt_ids + reply.gen[:len(reply.gen) - held_back(reply.gen, reply.content, decode)]
+        messages.append({"role": "assistant", "content": reply.content})
+        if not stall and resume is not None:
+            resume.join()  # the sidecar runs again before the next stall
+    os.kill(pid, signal.SIGCONT)
+    m1 = api2.metrics()
+    pending = labelled(m1, m0, "pending", "event")
+    own = delta(m1, m0, "tokcache_vllm_record_waits_total")
+    report(f"== a late record (sidecar SIGSTOPped while turns {STALLED} wait for their records; api2, 2 API servers)\n"
+           "turn stalled  seconds  extends\n" + "\n".join(rows) + "\n"
+           f"marks and waits {pending}, waits for the same process's pending record {own:.0f}, response wait timeouts "
+           f"{delta(m1, m0, 'tokcache_vllm_response_wait_timeouts_total'):.0f}, "
+           f"served {labelled(m1, m0, 'served', 'path')}, fallbacks {labelled(m1, m0, 'fallback', 'reason')}")
+    assert not misses, "\n".join(rows + misses) + diagnosis(api2, m0, m1)
+    assert pending.get("marked", 0) == len(STALLED) and pending.get("waited", 0) + own >= len(STALLED), pending
+    assert pending.get("gave_up", 0) == 0 and delta(m1, m0, "tokcache_vllm_fallback_total") == 0

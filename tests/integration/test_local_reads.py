@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -545,3 +546,171 @@ def test_the_background_thread_builds_the_head_between_turns(
                 time.sleep(0.01)
             assert not local.settler.pending and not heads.pending
         assert heads.used - used >= len(texts) - 1, (heads.built, heads.used)
+
+
+_READER = textwrap.dedent("""
+    import json, sys, time
+    from sidecar_client import SidecarClient
+    address, text = sys.argv[1], sys.stdin.read()
+    with SidecarClient(address) as client:
+        client.tokenize("qwen3", text="warm up: map the segment, load the encoder")
+        print("ready", flush=True)
+        t0 = time.monotonic()
+        r = client.tokenize("qwen3", text=text, add_special_tokens=False)
+        print(json.dumps({"ids": r.token_ids, "source": r.decision.source, "served_by": r.served_by,
+                          "seconds": time.monotonic() - t0, "stats": client.stats()}), flush=True)
+""")
+
+
+def _generated(ref: tokenizers.Tokenizer, text: str) -> list[int]:
+    """Ids a model could have generated for ``text``: every multi-character token split in two."""
+    enc = ref.encode(text, add_special_tokens=False)
+    out: list[int] = []
+    for tid, (s, e) in zip(enc.ids, enc.offsets, strict=True):
+        piece = text[s:e]
+        if len(piece) >= 2:
+            out += ref.encode(piece[:1], add_special_tokens=False).ids + ref.encode(piece[1:],
+                                                                                   add_special_tokens=False).ids
+        else:
+            out.append(tid)
+    assert ref.decode(out, skip_special_tokens=False) == text and out != enc.ids
+    return out
+
+
+@pytest.mark.parametrize("marked", [True, False])
+def test_a_turn_read_in_another_process_waits_for_a_record_marked_as_on_its_way(
+        sidecar: tuple[SidecarProcess, int], qwen3_path: Path, marked: bool) -> None:
+    """The vLLM plugin releases a response whose record the sidecar has not answered in time
+    (TOKCACHE_RECORD_WAIT_MS) after marking the record as pending: a reader in another process
+    whose text continues that output waits for the record instead of re-encoding the output.
+    Unmarked (the control), the same reader serves the re-encoded output at once."""
+    proc, _ = sidecar
+    ref = tokenizers.Tokenizer.from_file(str(qwen3_path / "tokenizer.json"))
+    prompt = "<|im_start|>system\nYou are terse.<|im_end|>\n" + TURN.format(q="count to twelve, slowly")
+    output = "One,  two,   three.\n\nFour five six 789 — and 10, 11, 12!"
+    out_ids = _generated(ref, output)
+    follow = prompt + output + "<|im_end|>\n" + TURN.format(q="and back?")
+    with SidecarClient(proc.address) as writer:
+        prompt_ids = writer.tokenize("qwen3", text=prompt, add_special_tokens=False).token_ids
+        if marked:
+            assert writer.mark_pending("qwen3", [(prompt, output, "")], 5.0) == 1
+        reader = subprocess.Popen([sys.executable, "-c", _READER, proc.address], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True)
+        try:
+            assert reader.stdin is not None and reader.stdout is not None
+            reader.stdin.write(follow)
+            reader.stdin.close()
+            assert reader.stdout.readline().strip() == "ready"
+            time.sleep(0.5)  # the reader is reading the next turn meanwhile
+            writer.record_output("qwen3", prompt_text=prompt, prompt_token_ids=prompt_ids, output_text=output,
+                                 output_token_ids=out_ids, finish_reason="length")
+            got = json.loads(reader.stdout.readline())
+        finally:
+            reader.wait(30)
+        if marked:
+            assert writer.stats()["pending"] == {"marked": 1}
+    assert got["served_by"] == "local"
+    generated_prefix = prompt_ids + out_ids
+    if marked:
+        assert got["ids"][:len(generated_prefix)] == generated_prefix and got["source"] == "ar"
+        assert got["seconds"] >= 0.4 and got["stats"]["pending"] == {"waited": 1}
+    else:
+        assert got["ids"][:len(generated_prefix)] != generated_prefix and got["source"] != "ar"
+        assert got["seconds"] < 0.4 and got["stats"]["pending"] == {}
+    assert got["ids"][:len(prompt_ids)] == prompt_ids
+
+
+def test_a_withdrawn_or_expired_mark_keeps_no_reader_waiting(sidecar: tuple[SidecarProcess, int],
+                                                             qwen3_path: Path) -> None:
+    proc, _ = sidecar
+    prompt = "<|im_start|>system\nYou are terse.<|im_end|>\n" + TURN.format(q="say hi")
+    texts = {name: prompt + f"Hi ({name})!<|im_end|>\n" + TURN.format(q="again") for name in ("withdrawn", "expired")}
+    with SidecarClient(proc.address) as writer, SidecarClient(proc.address) as reader:
+        writer.tokenize("qwen3", text=prompt, add_special_tokens=False)
+        reader.tokenize("qwen3", text="warm up: map the segment, load the encoder")
+        assert writer.mark_pending("qwen3", [(prompt, "Hi (withdrawn)!", "")], 30.0) == 1
+        assert writer.mark_pending("qwen3", [(prompt, "Hi (withdrawn)!", "")], 0) == 1
+        assert writer.mark_pending("qwen3", [(prompt, "Hi (expired)!", "")], 0.5) == 1
+        time.sleep(2.1)  # marks expire on whole seconds
+        for text in texts.values():
+            t0 = time.monotonic()
+            r = reader.tokenize("qwen3", text=text, add_special_tokens=False)
+            assert time.monotonic() - t0 < 0.5 and r.served_by == "local"
+        assert "pending" not in reader.stats() or reader.stats()["pending"] == {}
+        assert writer.stats()["pending"] == {"marked": 2, "withdrawn": 1}
+
+
+def test_the_plugin_marks_a_record_its_response_could_not_wait_for_and_another_api_server_waits_for_it(
+        sidecar: tuple[SidecarProcess, int], qwen3_path: Path) -> None:
+    """Two API server processes' plugin runtimes on one node (two runtimes here, each with its
+    own client and mapping). The sidecar hangs (SIGSTOP) while runtime A's response waits for its
+    record: after TOKCACHE_RECORD_WAIT_MS the response goes, the record marked as on its way. The
+    next turn reaches runtime B, which waits (the sidecar resumes 0.6 s later) and splices the
+    generated ids rather than re-encoding the output; A withdraws the mark once answered."""
+    import asyncio
+    import signal
+    from dataclasses import dataclass
+
+    from sidecar_client.vllm._config import PluginConfig
+    from sidecar_client.vllm._runtime import PluginRuntime
+    from tokcache.engine.tokenizer import fingerprint_of
+
+    @dataclass
+    class Out:
+        index: int
+        text: str
+        token_ids: list[int]
+        finish_reason: str | None = None
+        stop_reason: int | str | None = None
+
+    proc, _ = sidecar
+    assert proc.proc is not None
+    tj = qwen3_path / "tokenizer.json"
+    ref = tokenizers.Tokenizer.from_file(str(tj))
+    prompt = "<|im_start|>system\nYou are terse.<|im_end|>\n" + TURN.format(q="count to twelve, slowly")
+    output = "One,  two,   three.\n\nFour five six 789 — and 10, 11, 12!"
+    out_ids = _generated(ref, output)
+    follow = prompt + output + "<|im_end|>\n" + TURN.format(q="and back?")
+
+    def runtime() -> PluginRuntime:
+        config = PluginConfig(address=proc.address, timeout_s=2.0, record_wait_s=0.3)
+        return PluginRuntime(config, fingerprint_of(tj), tokenizer_file=tj,
+                             decode=lambda ids: ref.decode(ids, skip_special_tokens=False))
+
+    async def main() -> None:
+        a, b = runtime(), runtime()
+        for rt in (a, b):  # handshake, map the segment, load the encoder
+            await rt.tokenize("warm up", add_special_tokens=False, cache_salt=None)
+            if rt.link._opening is not None:
+                await rt.link._opening
+        local_reads = a.stats.served["local"]
+        ids = await a.tokenize(prompt, add_special_tokens=False, cache_salt=None)
+        assert ids is not None and a.stats.served["local"] == local_reads + 1
+        rec = a.start_request({"type": "token", "prompt": prompt, "prompt_token_ids": ids}, delta=False,
+                              trace_headers=None)
+        assert rec is not None
+        os.kill(proc.proc.pid, signal.SIGSTOP)
+        try:
+            waits = rec.feed([Out(0, output, out_ids, "length")])
+            t0 = time.monotonic()
+            await a.wait_records(waits)  # the response would go now
+            assert 0.25 < time.monotonic() - t0 < 1.0 and a.stats.response_wait_timeouts == 1
+            assert a.stats.pending["marked"] == 1
+            asyncio.get_running_loop().call_later(0.6, os.kill, proc.proc.pid, signal.SIGCONT)
+            t1 = time.monotonic()
+            got = await b.tokenize(follow, add_special_tokens=False, cache_salt=None)
+            waited = time.monotonic() - t1
+        finally:
+            os.kill(proc.proc.pid, signal.SIGCONT)
+        assert got is not None and got[:len(ids) + len(out_ids)] == ids + out_ids
+        assert waited > 0.5 and b.stats.pending["waited"] == 1 and b.stats.tokenize["ar"] == 1
+        for _ in range(100):  # A's record was answered: its mark is withdrawn
+            if a.stats.pending["withdrawn"]:
+                break
+            await asyncio.sleep(0.05)
+        assert a.stats.pending["withdrawn"] == 1 and a.stats.records["recorded"] == 1
+        await a.recorder.aclose()
+        await a.link.close()
+        await b.link.close()
+
+    asyncio.run(main())

@@ -43,6 +43,7 @@ from sidecar_client.errors import (
 )
 from sidecar_client.vllm._breaker import BreakerState, CircuitBreaker
 from sidecar_client.vllm._config import ENV, PluginConfig
+from sidecar_client.vllm._recorder import PendingRecord
 from sidecar_client.vllm._stats import PluginStats
 
 __all__ = ["CHANNEL_OPTIONS", "HandshakeState", "LinkStatus", "Served", "SidecarLink"]
@@ -153,8 +154,10 @@ class SidecarLink:
                                               zero_rpc=self.config.zero_rpc, tokenizers=tokenizers,
                                               min_write_bytes=self.config.min_write_bytes,
                                               channel_options=CHANNEL_OPTIONS[len(_core.CHANNEL_OPTIONS):])
-            if self._client.local is not None and self._models:
-                self._client.local.set_models(self._models)
+            if self._client.local is not None:
+                self._client.local.stats.pending = self.stats.pending  # counted as plugin metrics too
+                if self._models:
+                    self._client.local.set_models(self._models)
             self._loop = loop
         return self._client
 
@@ -318,6 +321,21 @@ class SidecarLink:
             return "fingerprint_changed"
         d = result.decision
         return Served(result.token_ids, model, d.source, d.cached_tokens, d.ar_spliced_tokens, result.served_by)
+
+    def mark_pending(self, records: Sequence[PendingRecord], seconds: float) -> int:
+        """Mark (``seconds`` > 0) or unmark (0) ``records`` as on their way in the segment
+        this process reads (see ``AsyncSidecarClient.mark_pending``); how many were put.
+        Never raises: a mark is an optimisation of the next turn's ids."""
+        client = self._client
+        if client is None or client.local is None or not records:
+            return 0
+        try:
+            return client.mark_pending(records[0].model, [
+                (r.record.get("prompt_text", ""), r.record.get("output_text", ""), r.record.get("cache_salt") or "")
+                for r in records], seconds)
+        except Exception:
+            log.exception("tokcache: could not mark records as pending")
+            return 0
 
     async def record(self, model: str, records: list[Mapping[str, Any]], trace: Sequence[tuple[str, str]]) -> None:
         """Send ``records`` on one RecordOutputs stream; counts outcomes in ``stats``. Never raises."""

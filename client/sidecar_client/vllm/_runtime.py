@@ -9,6 +9,7 @@ is testable without vLLM; ``_renderer.py`` adapts vLLM's objects to them.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -81,25 +82,39 @@ class PluginRuntime:
                         add_special_tokens=add_special_tokens)
         return outcome.token_ids
 
-    async def wait_records(self, waits: Sequence[asyncio.Future[None]]) -> None:
+    async def wait_records(self, records: Sequence[PendingRecord]) -> None:
         """Wait until the records of a finishing response were answered by the sidecar.
 
         Bounded by ``record_wait_s``; never raises (cancellation aside). Called before the
         output that finishes a choice is handed to vLLM, so a client that has the response
-        finds its record in the node's shared cache from any process.
+        finds its record in the node's shared cache from any process. A record still
+        unanswered then is *marked* as on its way in the segment before the response goes
+        (:meth:`SidecarLink.mark_pending`), so the next turn, in whichever process, waits
+        for it rather than re-encoding the output; the mark is withdrawn once the record
+        was answered (stored, refused or failed).
         """
-        pending = [f for f in waits if not f.done()]
+        pending = [r for r in records if r.done is not None and not r.done.done()]
         if not pending or self.config.record_wait_s <= 0:
             return
         if self.link.breaker.state == "open":
             return  # the sidecar is failing: its records will not come back in time either
         t0 = time.perf_counter()
-        _, still = await asyncio.wait(pending, timeout=self.config.record_wait_s)
+        _, still = await asyncio.wait([r.done for r in pending if r.done is not None],
+                                      timeout=self.config.record_wait_s)
         self.stats.observe_record_wait(time.perf_counter() - t0, timed_out=bool(still))
         if still:
             # A sidecar that cannot take a record in time (hung, overloaded) counts as a
             # failure: after a few, the breaker opens and responses stop waiting.
             self.link.breaker.failure()
+            late = [r for r in pending if r.done in still]
+            if self.link.mark_pending(late, self.config.record_timeout_s + 1.0):
+                for r in late:
+                    assert r.done is not None
+                    r.done.add_done_callback(functools.partial(self._withdraw, r))
+
+    def _withdraw(self, record: PendingRecord, _done: asyncio.Future[None]) -> None:
+        """Its record was answered (stored, refused or failed): withdraw its mark."""
+        self.link.mark_pending([record], 0.0)
 
     def start_request(self, prompt: Any, *, delta: bool,
                       trace_headers: Mapping[str, str] | None) -> RequestRecorder | None:
@@ -140,10 +155,10 @@ class RequestRecorder:
     def __post_init__(self) -> None:
         self._assembler = ChoiceAssembler(delta=self.delta)
 
-    def feed(self, outputs: Sequence[CompletionLike]) -> list[asyncio.Future[None]]:
-        """Take one ``RequestOutput.outputs``; the records it queued (see
-        :meth:`PluginRuntime.wait_records`). Never raises."""
-        waits: list[asyncio.Future[None]] = []
+    def feed(self, outputs: Sequence[CompletionLike]) -> list[PendingRecord]:
+        """Take one ``RequestOutput.outputs``; the records it queued with a ``done`` future
+        (see :meth:`PluginRuntime.wait_records`). Never raises."""
+        waits: list[PendingRecord] = []
         try:
             finished = self._assembler.feed(outputs)
         except Exception:
@@ -175,6 +190,7 @@ class RequestRecorder:
                       "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason,
                       "cache_salt": self.cache_salt, "prompt_add_special_tokens": self.add_special_tokens}
             done = loop.create_future() if loop is not None else None
-            if self.runtime.recorder.offer(PendingRecord(self.model, record, self.trace, done)) and done is not None:
-                waits.append(done)
+            item = PendingRecord(self.model, record, self.trace, done)
+            if self.runtime.recorder.offer(item) and done is not None:
+                waits.append(item)
         return waits

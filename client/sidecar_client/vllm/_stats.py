@@ -50,6 +50,10 @@ _FAMILIES: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
     "records": ("tokcache_vllm_records", "Finished outputs sent to RecordOutputs, by result",
                 "result", ("queued", "dropped", "recorded", "refused", "failed", "trimmed")),
     "record_skips": ("tokcache_vllm_record_skips", "Finished outputs not recorded, by reason", "reason", ()),
+    "pending": ("tokcache_vllm_pending", "Recorded outputs marked as on their way in the node's segment (marked: "
+                "a response went before the sidecar answered its record; withdrawn once it did), and prompts that "
+                "waited for such an output (waited) or were served without it after the wait (gave_up)",
+                "event", ("marked", "withdrawn", "waited", "gave_up")),
     "served": ("tokcache_vllm_served", "Prompts the cache answered, by where the decision was made (local: in "
                "vLLM's process from the node's shared memory, no RPC; sidecar: its Tokenize RPC)",
                "path", ("local", "sidecar")),
@@ -95,6 +99,8 @@ class PluginStats:
     - ``records``: queued, dropped (queue full), recorded, refused (by the sidecar), failed (transport),
       trimmed (an unfinished trailing character's ids left out, see ``held_back_tokens``)
     - ``record_skips``: finished choices not sent, by reason (stop_string, not_served, ...)
+    - ``pending``: records marked as on their way and prompts that waited for one (the
+      in-process client's ``LocalStats.pending``: the same object)
 
     After :func:`install_prometheus`, increases of the counters and of the numbers
     named in ``_SCALARS`` are mirrored into prometheus metrics as they happen.
@@ -105,6 +111,7 @@ class PluginStats:
     fallbacks: Counter[str] = field(default_factory=MirroredCounter)
     records: Counter[str] = field(default_factory=MirroredCounter)
     record_skips: Counter[str] = field(default_factory=MirroredCounter)
+    pending: Counter[str] = field(default_factory=MirroredCounter)  # the in-process client's, shared
     cached_tokens: int = 0
     ar_spliced_tokens: int = 0
     record_waits: int = 0

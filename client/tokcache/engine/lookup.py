@@ -42,7 +42,7 @@ from tokcache.engine.ids import IdFormat, Ids, Out
 from tokcache.engine.memo import ChainMemo
 from tokcache.ids import pack_ids, unpack_ids
 from tokcache.store import Kind, Known, RecordRef, StoreError, Walk
-from tokcache.store.keys import KEY_GRID, MODE_EXACT, MODE_KV_STABLE, TextKeys, segment_key
+from tokcache.store.keys import KEY_GRID, MODE_EXACT, MODE_KV_STABLE, TextKeys, pending_key, segment_key
 
 __all__ = [
     "CacheView",
@@ -103,6 +103,7 @@ class CacheView(Protocol):
     def last_present(self, keys: list[bytes], lo: int, hi: int) -> int: ...
     def slot(self, key: bytes) -> tuple[int, int] | None: ...
     def holds_ar(self) -> bool: ...
+    def marks(self) -> bool: ...
     def read(self, key: bytes, known: Known | None = None) -> Walk | None: ...
 
 
@@ -170,6 +171,9 @@ class Decision:
     encoded_bytes: int = 0
     stored: bool | None = None
     store_errors: int = 0
+    # A mark says a recorded output past the hit is on its way (see Lookup._pending): a
+    # caller that can wait may ask again shortly; this result lacks that output's ids.
+    ar_pending: bool = False
     # Phase -> (perf_counter_ns start, end), for trace child spans.
     timings: dict[str, tuple[int, int]] = field(default_factory=dict)
 
@@ -400,6 +404,8 @@ class Lookup(Generic[Ids, Out]):
         if state is not None:
             scan.hashers[ns] = state
         hit = self._find_hit(store, keys, spans, ar, decision)
+        if tag == MODE_KV_STABLE and store is not None and not hit.exact:
+            decision.ar_pending = self._pending(store, keys, hit.first_new + (decision.source == "ar"))
         return self._serve(scan, keys, store, ar, hit, decision, n_chars, add_special_tokens, salt, tag, tier, t0)
 
     def _serve(self, scan: Scan, keys: TextKeys | None, store: CacheView | None, ar: bool, hit: _Hit[Ids],
@@ -508,7 +514,7 @@ class Lookup(Generic[Ids, Out]):
                 tier: bool) -> Result[Ids, Out] | None:
         """The native fast path (``_speedups.extend``) of :meth:`tokenize` for the common case:
         ``text`` extends one this process tokenized, no recorded output can apply (no AR in
-        the segment, or exact mode), and the hit is a keyed cut in the window whose chain
+        the segment and no mark of one on its way, or exact mode), and the hit is a keyed cut in the window whose chain
         this process holds. None: :meth:`tokenize` serves it from the start.
 
         The same decision as the Python path, by construction (the same keys, probes and
@@ -520,7 +526,7 @@ class Lookup(Generic[Ids, Out]):
             return None
         t0 = time.perf_counter_ns()
         try:
-            if tag == MODE_KV_STABLE and store.holds_ar():
+            if tag == MODE_KV_STABLE and (store.holds_ar() or store.marks()):
                 return None
             ctx = self._fast_ctx
             if ctx is None or ctx[0] is not store:
@@ -670,6 +676,24 @@ class Lookup(Generic[Ids, Out]):
         except StoreError:
             decision.store_errors += 1
             return _Hit(None, 0, 0, None, 0)
+
+    @staticmethod
+    def _pending(store: CacheView, keys: TextKeys, lo: int) -> bool:
+        """Whether a mark (``Store.mark``) says an output recorded in another process ends
+        at a cut ``>= lo`` past the hit: its response was sent before the sidecar stored it
+        (the response's wait for its record timed out), so a client may already send the
+        turn that follows it. Free while no mark was ever put in the segment."""
+        try:
+            if not store.marks():
+                return False
+            n = len(keys.ar_keys)
+            if lo >= n:
+                return False
+            keys.fill_ar(lo, n)
+            marks = [pending_key(k) for k in keys.ar_keys[lo:n]]
+            return store.last_present(marks, 0, len(marks)) >= 0
+        except StoreError:
+            return False
 
     def _longest(self, store: CacheView, keys: TextKeys) -> tuple[int, Ids | None, int]:
         """(keyed position, container, tokens) of the longest keyed cut whose prefix is

@@ -19,7 +19,8 @@ Header page
         W_HITS..W_CORRUPT    reader counters (lock-free read-modify-write: lossy);
         W_PUTS..             writer counters (updated under the lock: exact), evictions by
                              cause (capacity, TTL sweep, pressure), AR puts (while 0, no
-                             AR entry exists and readers skip AR lookups);
+                             AR entry exists and readers skip AR lookups), marks (while 0,
+                             no pending-record mark exists: ``Store.mark``);
         W_SOFT_CAP           the arena bytes writers may use (0: all), set under memory
                              pressure; W_RELEASE_* track pages given back to the kernel.
 
@@ -105,6 +106,7 @@ W_CONSOLIDATIONS: Final = 59
 W_EVICT_TTL: Final = 60  # records swept off the tail because every key in them expired
 W_EVICT_PRESSURE: Final = 61  # records evicted to honour the soft cap (memory pressure)
 W_AR_PUTS: Final = 62  # records put with an AR entry: while 0, AR lookups can be skipped
+W_MARKS: Final = 63  # pending-record marks put (Store.mark): while 0, readers probe for none
 W_SOFT_CAP: Final = 64  # byte 512: arena bytes writers may use; 0 = the whole arena
 W_RELEASE_TAIL: Final = 65  # tail when arena pages were last given back
 W_RELEASED: Final = 66  # bytes of arena pages given back (madvise MADV_REMOVE), cumulative

@@ -24,6 +24,7 @@ from ._layout import (
     LSN_MASK,
     RETIRED_MARK,
     W_AR_PUTS,
+    W_MARKS,
     W_RETIRED,
     W_TAIL,
     ZERO_KEY,
@@ -163,6 +164,12 @@ class StoreReader:
         if self._closed:
             raise StoreClosed(f"{self.name} is closed")
         return self._words[W_AR_PUTS] > 0
+
+    def marks(self) -> bool:
+        """Whether a pending-record mark was ever put in this segment (see :meth:`Store.marks`)."""
+        if self._closed:
+            raise StoreClosed(f"{self.name} is closed")
+        return self._words[W_MARKS] > 0
 
     def get(self, key: bytes) -> bytes | None:
         """The ids stored for ``key`` (packed LE uint32), or None; see :meth:`Store.get`.

@@ -52,6 +52,7 @@ from ._layout import (
     W_EXPIRED,
     W_HEAD,
     W_HITS,
+    W_MARKS,
     W_MISSES,
     W_PUTS,
     W_RELEASE_TAIL,
@@ -280,6 +281,44 @@ class Store:
         if self._mm is None:
             raise StoreClosed(f"{self.name} is closed")
         return self._words[W_AR_PUTS] > 0
+
+    def marks(self) -> bool:
+        """Whether a pending-record mark was ever put here (:meth:`mark`; lock-free, O(1))."""
+        if self._mm is None:
+            raise StoreClosed(f"{self.name} is closed")
+        return self._words[W_MARKS] > 0
+
+    def mark(self, key: bytes, expiry: int, *, lock_timeout: float | None = None) -> bool:
+        """Map ``key`` to an empty record that expires at ``expiry`` (Unix seconds; a past
+        second such as 1 withdraws an earlier mark): a *mark*, which says something about
+        the text behind the key rather than holding ids for it (``tokcache.store.keys.pending_key``:
+        a recorded output is on its way). Counted in W_MARKS before the key appears, so a
+        reader that finds the counter 0 knows no mark exists. False when the store took
+        nothing (a replaced segment). Takes the writer lock (LockTimeout as :meth:`put`).
+        """
+        if self._mm is None:
+            raise StoreClosed(f"{self.name} is closed")
+        _check_key(key, "mark key")
+        if not 0 < expiry <= U32_MAX:
+            raise ValueError(f"expiry must be a Unix second in [1, {U32_MAX}], got {expiry}")
+        size = _layout.record_size(1, 0)
+        now = self._clock()
+        try:
+            self._lock.acquire(lock_timeout)
+        except FOREIGN_ERRORS as exc:
+            raise translated(f"lock {self.name}", exc) from exc
+        try:
+            if self._words[W_RETIRED] == RETIRED_MARK:
+                return False
+            head, tail = self._log.bounds()
+            tail = self._log.sweep(head, tail, now)
+            self._words[W_MARKS] += 1
+            self._append(head, tail, size, None, b"", [(key, 0, Kind.L1, expiry)], Kind.L1, expiry, 0, now,
+                         self._log.cap())
+            self._words[W_PUTS] += 1
+            return True
+        finally:
+            self._lock.release()
 
     def version(self, key: bytes) -> int | None:
         """An opaque token that changes whenever ``key``'s mapping does, or None if absent.

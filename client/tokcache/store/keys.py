@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 from blake3 import blake3
 
 __all__ = ["CHECKPOINT_CUTS", "KEY_BYTES", "KEY_GRID", "KeyState", "KeyStream", "MODE_EXACT", "MODE_KV_STABLE",
-           "TextKeys", "extend_keyed", "l0_key", "namespace", "root_hasher", "segment_key"]
+           "TextKeys", "extend_keyed", "l0_key", "namespace", "output_key", "pending_key", "root_hasher", "segment_key"]
 
 KEY_BYTES = 16
 MODE_EXACT = b"C"  # canonical ids only
@@ -77,6 +77,28 @@ def l0_key(text: str | bytes, *, salt: str = "", mode: str = "kv-stable") -> byt
     stream = KeyStream(salt, tag)
     stream.feed(text if isinstance(text, bytes) else text.encode("utf-8"))
     return stream.exact_key()
+
+
+def output_key(prompt: str, output: str, *, salt: str = "") -> bytes:
+    """The AR key of a recorded output: where ``output`` ends after ``prompt`` (kv-stable),
+    as the sidecar stores it for ``RecordOutput``. UnicodeEncodeError for invalid text."""
+    stream = KeyStream(salt, MODE_KV_STABLE)
+    stream.feed(prompt.encode("utf-8"))
+    stream.feed(output.encode("utf-8"))
+    return stream.output_key()
+
+
+_PENDING = blake3(b"tokcache/v1\x00P")
+
+
+def pending_key(ar_key: bytes) -> bytes:
+    """The key of the mark saying "a record for AR key ``ar_key`` is on its way" (``Store.mark``).
+
+    Derived from the AR key alone, so a reader that computed AR keys for a text's cuts
+    finds the marks of the same cuts without hashing the text again."""
+    h = _PENDING.copy()
+    h.update(ar_key)
+    return h.digest(KEY_BYTES)
 
 
 def segment_key(salt: str, mode: bytes, text: bytes) -> bytes:

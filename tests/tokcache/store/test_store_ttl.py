@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import pytest
+
 from tests.tokcache.store.store_helpers import FakeClock, ids_of, key
 from tokcache.store import Kind, Store
 
@@ -79,3 +81,32 @@ def test_live_chain_over_expiring_parent_is_copied_forward(open_store: Open, clo
     assert store.stats().ttl_evictions == 1  # the parent record is gone...
     assert store.get(key("parent")) is None
     assert store.get(key("child")) == parent + child  # ...its data lives on in the copy
+
+
+def test_a_mark_lives_until_its_own_expiry_and_a_past_one_withdraws_it(open_store: Open, clock: FakeClock) -> None:
+    from tokcache.store import StoreReader
+    from tokcache.store.errors import StoreClosed
+
+    store = open_store(ttl={Kind.L1: 0.0}, clock=clock)  # L1 entries never expire: the mark's own expiry rules
+    reader = StoreReader.attach_name(store.name, clock=clock)
+    try:
+        assert not store.marks() and not reader.marks()
+        a, b = key(1), key(2)
+        assert store.mark(a, int(clock.now) + 10) and store.mark(b, int(clock.now) + 10)
+        assert store.marks() and reader.marks()  # a header counter: every process sees it
+        assert reader.last_present([a, b], 0, 2) == 1 and store.get(a) == b""  # a record of no ids
+        assert store.mark(b, 1)  # withdrawn
+        assert reader.last_present([a, b], 0, 2) == 0
+        clock.now += 10
+        assert reader.last_present([a, b], 0, 2) == -1 and not reader.probe(a)
+        assert store.marks()  # once marked, readers keep looking
+        for bad in (0, -1, 1 << 32):
+            with pytest.raises(ValueError, match="expiry"):
+                store.mark(a, bad)
+        with pytest.raises(ValueError):
+            store.mark(bytes(16), 5)
+    finally:
+        reader.close()
+    store.close()
+    with pytest.raises(StoreClosed):
+        store.mark(key(3), 5)
