@@ -29,7 +29,7 @@ from tokcache.sidecar.engine.render import ChatRenderer
 from tokcache.sidecar.engine.tokenbytes import TokenBytes
 from tokcache.sidecar.tier import decode_value
 from tokcache.store import Kind, Store, StoreError
-from tokcache.store.keys import KEY_GRID, MODE_KV_STABLE, KeyStream, l0_key, segment_key
+from tokcache.store.keys import KEY_GRID, MODE_KV_STABLE, l0_key, output_key, segment_key
 
 log = logging.getLogger(__name__)
 
@@ -236,10 +236,7 @@ class ModelEngine:
         else:
             raise InvalidRequest("prompt_token_ids", "not what tokcache serves for prompt_text, "
                                                      "nor its canonical tokenization")
-        stream = KeyStream(salt, MODE_KV_STABLE)
-        stream.feed(data)
-        stream.feed(output_text.encode("utf-8"))
-        prefix_key = stream.output_key()
+        prefix_key = output_key(data, output_text, salt=salt)
         n_out = len(verified.ids)
         entries = self._put_ar(parent, parent_tokens, record, [(prefix_key, len(record) // 4)])
         # Segment entries, one record per distinct start token.

@@ -649,19 +649,11 @@ def test_the_plugin_marks_a_record_its_response_could_not_wait_for_and_another_a
     generated ids rather than re-encoding the output; A withdraws the mark once answered."""
     import asyncio
     import signal
-    from dataclasses import dataclass
 
     from sidecar_client.vllm._config import PluginConfig
     from sidecar_client.vllm._runtime import PluginRuntime
+    from tests.vllm.test_runtime import Out
     from tokcache.engine.tokenizer import fingerprint_of
-
-    @dataclass
-    class Out:
-        index: int
-        text: str
-        token_ids: list[int]
-        finish_reason: str | None = None
-        stop_reason: int | str | None = None
 
     proc, _ = sidecar
     assert proc.proc is not None

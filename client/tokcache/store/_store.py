@@ -26,10 +26,11 @@ raises it again. Evictions are counted by cause (cap, ttl, pressure).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import mmap
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Final, NamedTuple
 
 from . import _layout
@@ -303,22 +304,15 @@ class Store:
             raise ValueError(f"expiry must be a Unix second in [1, {U32_MAX}], got {expiry}")
         size = _layout.record_size(1, 0)
         now = self._clock()
-        try:
-            self._lock.acquire(lock_timeout)
-        except FOREIGN_ERRORS as exc:
-            raise translated(f"lock {self.name}", exc) from exc
-        try:
-            if self._words[W_RETIRED] == RETIRED_MARK:
+        with self._writing(now, lock_timeout) as bounds:
+            if bounds is None:
                 return False
-            head, tail = self._log.bounds()
-            tail = self._log.sweep(head, tail, now)
+            head, tail = bounds
             self._words[W_MARKS] += 1
             self._append(head, tail, size, None, b"", [(key, 0, Kind.L1, expiry)], Kind.L1, expiry, 0, now,
                          self._log.cap())
             self._words[W_PUTS] += 1
             return True
-        finally:
-            self._lock.release()
 
     def version(self, key: bytes) -> int | None:
         """An opaque token that changes whenever ``key``'s mapping does, or None if absent.
@@ -496,15 +490,10 @@ class Store:
         items: list[Entry] = [(key, n, k, expiry_of[k]) for key, (n, k) in mapping.items()]
         expiries = list(expiry_of.values())
         record_expiry = 0 if 0 in expiries else max(expiries)
-        try:
-            self._lock.acquire(lock_timeout)
-        except FOREIGN_ERRORS as exc:
-            raise translated(f"lock {self.name}", exc) from exc
-        try:
-            if self._words[W_RETIRED] == RETIRED_MARK:
+        with self._writing(now, lock_timeout) as bounds:
+            if bounds is None:
                 return None
-            head, tail = self._log.bounds()
-            tail = self._log.sweep(head, tail, now)
+            head, tail = bounds
             cap = self._log.cap()
             link: Link | None = None
             if parent is not None:
@@ -531,6 +520,21 @@ class Store:
             ref = self._append(head, tail, size, link, stored, items, kind, record_expiry, 0, now, cap)
             self._words[W_PUTS] += 1
             return ref
+
+    @contextlib.contextmanager
+    def _writing(self, now: float, lock_timeout: float | None) -> Iterator[tuple[int, int] | None]:
+        """Hold the writer lock: (head, tail) after sweeping expired records off the tail, or
+        None when the segment was retired (write nothing). LockTimeout as :meth:`put`."""
+        try:
+            self._lock.acquire(lock_timeout)
+        except FOREIGN_ERRORS as exc:
+            raise translated(f"lock {self.name}", exc) from exc
+        try:
+            if self._words[W_RETIRED] == RETIRED_MARK:
+                yield None
+                return
+            head, tail = self._log.bounds()
+            yield head, self._log.sweep(head, tail, now)
         finally:
             self._lock.release()
 

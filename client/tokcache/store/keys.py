@@ -79,12 +79,12 @@ def l0_key(text: str | bytes, *, salt: str = "", mode: str = "kv-stable") -> byt
     return stream.exact_key()
 
 
-def output_key(prompt: str, output: str, *, salt: str = "") -> bytes:
+def output_key(prompt: str | bytes, output: str | bytes, *, salt: str = "") -> bytes:
     """The AR key of a recorded output: where ``output`` ends after ``prompt`` (kv-stable),
-    as the sidecar stores it for ``RecordOutput``. UnicodeEncodeError for invalid text."""
+    the key ``RecordOutput`` stores it under. UnicodeEncodeError for invalid text."""
     stream = KeyStream(salt, MODE_KV_STABLE)
-    stream.feed(prompt.encode("utf-8"))
-    stream.feed(output.encode("utf-8"))
+    stream.feed(prompt if isinstance(prompt, bytes) else prompt.encode("utf-8"))
+    stream.feed(output if isinstance(output, bytes) else output.encode("utf-8"))
     return stream.output_key()
 
 
