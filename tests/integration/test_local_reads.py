@@ -640,13 +640,15 @@ def test_a_withdrawn_or_expired_mark_keeps_no_reader_waiting(sidecar: tuple[Side
         assert writer.stats()["pending"] == {"marked": 2, "withdrawn": 1}
 
 
+@pytest.mark.parametrize("wait_s", [0.3, 0.0], ids=["wait-ran-out", "no-wait"])
 def test_the_plugin_marks_a_record_its_response_could_not_wait_for_and_another_api_server_waits_for_it(
-        sidecar: tuple[SidecarProcess, int], qwen3_path: Path) -> None:
+        sidecar: tuple[SidecarProcess, int], qwen3_path: Path, wait_s: float) -> None:
     """Two API server processes' plugin runtimes on one node (two runtimes here, each with its
     own client and mapping). The sidecar hangs (SIGSTOP) while runtime A's response waits for its
-    record: after TOKCACHE_RECORD_WAIT_MS the response goes, the record marked as on its way. The
-    next turn reaches runtime B, which waits (the sidecar resumes 0.6 s later) and splices the
-    generated ids rather than re-encoding the output; A withdraws the mark once answered."""
+    record: after TOKCACHE_RECORD_WAIT_MS (or at once, when it is 0) the response goes, the record
+    marked as on its way. The next turn reaches runtime B, which waits (the sidecar resumes 0.6 s
+    later) and splices the generated ids rather than re-encoding the output; A withdraws the mark
+    once answered."""
     import asyncio
     import signal
 
@@ -665,7 +667,7 @@ def test_the_plugin_marks_a_record_its_response_could_not_wait_for_and_another_a
     follow = prompt + output + "<|im_end|>\n" + TURN.format(q="and back?")
 
     def runtime() -> PluginRuntime:
-        config = PluginConfig(address=proc.address, timeout_s=2.0, record_wait_s=0.3)
+        config = PluginConfig(address=proc.address, timeout_s=2.0, record_wait_s=wait_s)
         return PluginRuntime(config, fingerprint_of(tj), tokenizer_file=tj,
                              decode=lambda ids: ref.decode(ids, skip_special_tokens=False))
 
@@ -686,7 +688,11 @@ def test_the_plugin_marks_a_record_its_response_could_not_wait_for_and_another_a
             waits = rec.feed([Out(0, output, out_ids, "length")])
             t0 = time.monotonic()
             await a.wait_records(waits)  # the response would go now
-            assert 0.25 < time.monotonic() - t0 < 1.0 and a.stats.response_wait_timeouts == 1
+            held = time.monotonic() - t0
+            if wait_s:
+                assert 0.25 < held < 1.0 and a.stats.response_wait_timeouts == 1
+            else:  # not held at all, nor counted as a wait
+                assert held < 0.2 and a.stats.response_wait_timeouts == 0
             assert a.stats.pending["marked"] == 1
             asyncio.get_running_loop().call_later(0.6, os.kill, proc.proc.pid, signal.SIGCONT)
             t1 = time.monotonic()

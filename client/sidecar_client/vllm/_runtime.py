@@ -88,16 +88,21 @@ class PluginRuntime:
         Bounded by ``record_wait_s``; never raises (cancellation aside). Called before the
         output that finishes a choice is handed to vLLM, so a client that has the response
         finds its record in the node's shared cache from any process. A record still
-        unanswered then is *marked* as on its way in the segment before the response goes
+        unanswered then (at once when ``record_wait_s`` is 0) is *marked* as on its way in the segment before the response goes
         (:meth:`SidecarLink.mark_pending`), so the next turn, in whichever process, waits
         for it rather than re-encoding the output; the mark is withdrawn once the record
         was answered (stored, refused or failed).
         """
         pending = [r for r in records if r.done is not None and not r.done.done()]
-        if not pending or self.config.record_wait_s <= 0:
+        if not pending:
             return
         if self.link.breaker.state == "open":
             return  # the sidecar is failing: its records will not come back in time either
+        if self.config.record_wait_s <= 0:
+            # Told not to wait (TOKCACHE_RECORD_WAIT_MS=0): the response goes now, so every
+            # record still on its way is marked, as one that ran out of time would be.
+            self._mark(pending)
+            return
         t0 = time.perf_counter()
         _, still = await asyncio.wait([r.done for r in pending if r.done is not None],
                                       timeout=self.config.record_wait_s)
@@ -106,11 +111,15 @@ class PluginRuntime:
             # A sidecar that cannot take a record in time (hung, overloaded) counts as a
             # failure: after a few, the breaker opens and responses stop waiting.
             self.link.breaker.failure()
-            late = [r for r in pending if r.done in still]
-            if self.link.mark_pending(late, self.config.record_timeout_s + 1.0):
-                for r in late:
-                    assert r.done is not None
-                    r.done.add_done_callback(functools.partial(self._withdraw, r))
+            self._mark([r for r in pending if r.done in still])
+
+    def _mark(self, late: list[PendingRecord]) -> None:
+        """Mark ``late`` (unanswered records of a response about to go) as on their way, each
+        withdrawn once answered (see :meth:`wait_records`)."""
+        if self.link.mark_pending(late, self.config.record_timeout_s + 1.0):
+            for r in late:
+                assert r.done is not None
+                r.done.add_done_callback(functools.partial(self._withdraw, r))
 
     def _withdraw(self, record: PendingRecord, _done: asyncio.Future[None]) -> None:
         """Its record was answered (stored, refused or failed): withdraw its mark."""
