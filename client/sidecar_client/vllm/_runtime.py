@@ -88,10 +88,10 @@ class PluginRuntime:
         Bounded by ``record_wait_s``; never raises (cancellation aside). Called before the
         output that finishes a choice is handed to vLLM, so a client that has the response
         finds its record in the node's shared cache from any process. A record still
-        unanswered then (at once when ``record_wait_s`` is 0) is *marked* as on its way in the segment before the response goes
-        (:meth:`SidecarLink.mark_pending`), so the next turn, in whichever process, waits
-        for it rather than re-encoding the output; the mark is withdrawn once the record
-        was answered (stored, refused or failed).
+        unanswered then (at once when ``record_wait_s`` is 0) is *marked* as on its way in the
+        segment before the response goes (:meth:`SidecarLink.mark_pending`), so the next turn,
+        in whichever process, waits for it rather than re-encoding the output; the mark is
+        withdrawn once the record was answered (stored, refused or failed).
         """
         pending = [r for r in records if r.done is not None and not r.done.done()]
         if not pending:
