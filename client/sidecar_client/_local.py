@@ -41,7 +41,18 @@ from sidecar_client.errors import InvalidArgumentError, ResourceExhaustedError
 from tokcache.engine.errors import InvalidRequest, RequestTooLarge
 from tokcache.engine.heads import Heads, Ready
 from tokcache.engine.ids import LISTS, Chunks
-from tokcache.engine.lookup import Later, Limits, Lookup, PendingWrite, ReadModel, Result, TierNeeded, commit
+from tokcache.engine.lookup import (
+    PENDING_POLL_S,
+    PENDING_WAIT_S,
+    Later,
+    Limits,
+    Lookup,
+    PendingWrite,
+    ReadModel,
+    Result,
+    TierNeeded,
+    commit,
+)
 from tokcache.engine.memo import ChainMemo
 from tokcache.engine.tokenizer import Manifest, ManifestMismatch, from_manifest
 from tokcache.store import Kind, LockTimeout, SegmentError, SegmentMismatch, Store, StoreError, StoreReader
@@ -78,12 +89,6 @@ MIN_FIRST_WRITE_BYTES = 4096
 # The background thread builds heads (tokcache.engine.heads), and settles reads' bookkeeping
 # (Settler), once no request offered one for this long.
 HEADS_QUIET_S = 0.002
-# A read whose text continues an output another process marked as on its way (its response
-# went out before the sidecar stored the record: Store.mark) asks again every PENDING_POLL_S,
-# for at most PENDING_WAIT_S (a mark lives as long as its record's RPC may), then is served
-# without that output's ids.
-PENDING_POLL_S = 0.005
-PENDING_WAIT_S = 2.0
 
 
 class RecordPending(Exception):  # a signal to the client, not an error

@@ -620,6 +620,50 @@ def test_a_turn_read_in_another_process_waits_for_a_record_marked_as_on_its_way(
     assert got["ids"][:len(prompt_ids)] == prompt_ids
 
 
+@pytest.mark.parametrize("marked", [True, False])
+def test_a_turn_read_over_rpc_waits_in_the_sidecar_for_a_record_marked_as_on_its_way(
+        sidecar: tuple[SidecarProcess, int], qwen3_path: Path, marked: bool) -> None:
+    """The same as a read in another process, for a reader that asks the sidecar (a remote client,
+    a process that cannot map the segment): the sidecar's Tokenize waits for the marked record,
+    which reaches it meanwhile, and splices the generated ids. Unmarked (the control), the sidecar
+    answers at once with the output re-encoded."""
+    import threading
+
+    proc, _ = sidecar
+    ref = tokenizers.Tokenizer.from_file(str(qwen3_path / "tokenizer.json"))
+    prompt = "<|im_start|>system\nYou are terse.<|im_end|>\n" + TURN.format(q="count to nine, quickly")
+    output = "One two three,  four.\n\nFive six 789 — done, nine!"
+    out_ids = _generated(ref, output)
+    follow = prompt + output + "<|im_end|>\n" + TURN.format(q="and back?")
+    got: dict[str, Any] = {}
+    with SidecarClient(proc.address) as writer, SidecarClient(proc.address, zero_rpc=False) as reader:
+        prompt_ids = writer.tokenize("qwen3", text=prompt, add_special_tokens=False).token_ids
+        if marked:
+            assert writer.mark_pending("qwen3", [(prompt, output, "")], 5.0) == 1
+
+        def read() -> None:
+            t0 = time.monotonic()
+            r = reader.tokenize("qwen3", text=follow, add_special_tokens=False)
+            got.update(ids=r.token_ids, source=r.decision.source, served_by=r.served_by,
+                       seconds=time.monotonic() - t0)
+
+        thread = threading.Thread(target=read)
+        thread.start()
+        time.sleep(0.5)  # the sidecar is answering the next turn meanwhile
+        writer.record_output("qwen3", prompt_text=prompt, prompt_token_ids=prompt_ids, output_text=output,
+                             output_token_ids=out_ids, finish_reason="length")
+        thread.join(30)
+    assert got["served_by"] == "sidecar"
+    generated_prefix = prompt_ids + out_ids
+    if marked:
+        assert got["ids"][:len(generated_prefix)] == generated_prefix and got["source"] == "ar"
+        assert 0.4 <= got["seconds"] < 2.0
+    else:
+        assert got["ids"][:len(generated_prefix)] != generated_prefix and got["source"] != "ar"
+        assert got["seconds"] < 0.4
+    assert got["ids"][:len(prompt_ids)] == prompt_ids
+
+
 def test_a_withdrawn_or_expired_mark_keeps_no_reader_waiting(sidecar: tuple[SidecarProcess, int],
                                                              qwen3_path: Path) -> None:
     proc, _ = sidecar

@@ -50,6 +50,8 @@ __all__ = [
     "Later",
     "Limits",
     "Lookup",
+    "PENDING_POLL_S",
+    "PENDING_WAIT_S",
     "PendingWrite",
     "ReadModel",
     "Result",
@@ -73,6 +75,13 @@ TAIL_PROBES = 64
 MIN_SEGMENT_BYTES = 4
 _SEGMENT_HEADER_BYTES = 64
 _SEGMENT_MAX_STARTS = 3
+# A read whose text continues an output marked as on its way (``Decision.ar_pending``: a
+# response went out before the sidecar stored its record, see Store.mark) is read again
+# every PENDING_POLL_S, for at most PENDING_WAIT_S (a mark lives as long as its record's
+# RPC may), then served without that output's ids. Whoever serves the read waits: a client
+# reading in its own process, or the sidecar's Tokenize.
+PENDING_POLL_S = 0.005
+PENDING_WAIT_S = 2.0
 
 
 def utf8(text: str, field: str = "text") -> bytes:
