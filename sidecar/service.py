@@ -33,7 +33,7 @@ import grpc
 from google.protobuf.unknown_fields import UnknownFieldSet  # type: ignore[import-untyped,unused-ignore]
 
 from tokcache.engine.errors import EngineError, InvalidRequest, RequestTooLarge, UnknownModel
-from tokcache.engine.lookup import PENDING_POLL_S, PENDING_WAIT_S, TierNeeded
+from tokcache.engine.lookup import PendingWait, TierNeeded
 from tokcache.sidecar.engine.model import Decision, ModelEngine, Outcome, utf8
 from tokcache.sidecar.telemetry import Metrics, Tracing
 from tokcache.sidecar.tier import ArTier
@@ -259,9 +259,9 @@ class TokenizerService(pb_grpc.TokenizerServicer):  # generated base class, unty
             raise InvalidRequest("mode", f"unknown mode {request.mode}")
         mode = MODE_FROM_PROTO.get(request.mode, self.default_mode)
         tier_attrs: dict[str, Any] | None = None
-        waited: str | None = None
-        deadline = 0.0
+        wait = PendingWait()
         while True:
+            may_wait = wait.open
             try:
                 out = engine.tokenize_utf8(data, n_chars, add_special_tokens=add_special, salt=request.cache_salt,
                                            mode=mode, defer_store=True, tier=self.tier is not None and not tier_attrs)
@@ -269,20 +269,14 @@ class TokenizerService(pb_grpc.TokenizerServicer):  # generated base class, unty
                 tier_attrs = await self._ask_tier(call, engine, need)
                 out = engine.tokenize_utf8(data, n_chars, add_special_tokens=add_special, salt=request.cache_salt,
                                            mode=mode, defer_store=True)
-            if not out.decision.ar_pending:
+            if not (out.decision.ar_pending and may_wait):
                 break
             # The text continues an output whose record a vLLM process sent before its
             # response went (Store.mark): that record is on its way to this sidecar. Read again
             # once it may have landed, as a client reading in its own process does; nothing of
             # this read was stored (defer_store).
-            now = time.monotonic()
-            if not deadline:
-                deadline = now + PENDING_WAIT_S
-            elif now >= deadline:
-                waited = "gave_up"
-                break
-            waited = "waited"
-            await asyncio.sleep(PENDING_POLL_S)
+            await asyncio.sleep(wait.poll())
+        waited = wait.outcome(may_wait)
         call.engine, call.outcome = engine, out
         d = out.decision
         if self.tracing.enabled:  # span attributes only; the metrics read the decision itself

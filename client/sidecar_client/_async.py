@@ -12,7 +12,7 @@ from typing import Any
 import grpc
 
 from sidecar_client import _core
-from sidecar_client._local import MIN_WRITE_BYTES, PENDING_POLL_S, PENDING_WAIT_S, LocalPaths, RecordPending
+from sidecar_client._local import MIN_WRITE_BYTES, LocalPaths, PendingWait, RecordPending
 from sidecar_client._models import ModelInfo, RecordResult, RecordSummary, TokenizeResult
 from sidecar_client._tokenize_stream import AsyncTokenizeStream
 from sidecar_client.errors import TokcacheError, translate
@@ -84,19 +84,18 @@ class AsyncSidecarClient:
                 local.set_models(await self.list_models())
             except TokcacheError:
                 pass  # the RPC path reports it
-        deadline = None
+        wait = PendingWait()
         while True:
-            may_wait = deadline is None or time.monotonic() < deadline
+            may_wait = wait.open
             try:
                 out = local.tokenize(model, text, add_special_tokens=add_special_tokens, cache_salt=cache_salt,
                                      mode=mode, trace=trace, may_wait=may_wait)
             except RecordPending:  # an output this text continues is on its way to the sidecar
-                if deadline is None:
-                    deadline = time.monotonic() + PENDING_WAIT_S
-                await asyncio.sleep(PENDING_POLL_S)
+                await asyncio.sleep(wait.poll())
                 continue
-            if deadline is not None:
-                local.stats.pending["waited" if may_wait else "gave_up"] += 1
+            outcome = wait.outcome(may_wait)
+            if outcome is not None:
+                local.stats.pending[outcome] += 1
             return out
 
     def stats(self) -> dict[str, dict[str, int]]:

@@ -47,6 +47,7 @@ from tokcache.engine.lookup import (
     Later,
     Limits,
     Lookup,
+    PendingWait,
     PendingWrite,
     ReadModel,
     Result,
@@ -60,7 +61,7 @@ from tokcache.store._layout import RETIRED_MARK, W_RETIRED
 from tokcache.store.keys import output_key, pending_key
 
 __all__ = ["MIN_WRITE_BYTES", "PENDING_POLL_S", "PENDING_WAIT_S", "LocalModel", "LocalPaths", "LocalStats",
-           "LocalUnavailable", "RecordPending", "WriteBehind", "find_tokenizer_json"]
+           "LocalUnavailable", "PendingWait", "RecordPending", "WriteBehind", "find_tokenizer_json"]
 
 log = logging.getLogger("sidecar_client.local")
 

@@ -664,6 +664,34 @@ def test_a_turn_read_over_rpc_waits_in_the_sidecar_for_a_record_marked_as_on_its
     assert got["ids"][:len(prompt_ids)] == prompt_ids
 
 
+@pytest.mark.parametrize("zero_rpc", [True, False], ids=["in-process", "over-rpc"])
+def test_a_mark_whose_record_never_comes_holds_a_reader_for_pending_wait_s_at_most(
+        sidecar: tuple[SidecarProcess, int], qwen3_path: Path, zero_rpc: bool) -> None:
+    """A record marked as on its way that never reaches the sidecar (its sender died) holds
+    the next turn's read for PENDING_WAIT_S, then the read is served without the output's ids,
+    counted as given up (the client's stats; the sidecar's span says so)."""
+    from tokcache.engine.lookup import PENDING_WAIT_S
+
+    proc, _ = sidecar
+    prompt = "<|im_start|>system\nYou are terse.<|im_end|>\n" + TURN.format(q="say bye")
+    output = "Bye, then."
+    follow = prompt + output + "<|im_end|>\n" + TURN.format(q="again?")
+    with SidecarClient(proc.address) as writer, SidecarClient(proc.address, zero_rpc=zero_rpc) as reader:
+        prompt_ids = writer.tokenize("qwen3", text=prompt, add_special_tokens=False).token_ids
+        reader.tokenize("qwen3", text="warm up: map the segment, load the encoder")
+        assert writer.mark_pending("qwen3", [(prompt, output, "")], 10.0) == 1
+        t0 = time.monotonic()
+        r = reader.tokenize("qwen3", text=follow, add_special_tokens=False)
+        held = time.monotonic() - t0
+        ref = tokenizers.Tokenizer.from_file(str(qwen3_path / "tokenizer.json"))
+        assert r.token_ids == ref.encode(follow, add_special_tokens=False).ids
+        assert r.token_ids[:len(prompt_ids)] == prompt_ids
+        assert PENDING_WAIT_S - 0.1 <= held < PENDING_WAIT_S + 1.5
+        assert r.served_by == ("local" if zero_rpc else "sidecar")
+        if zero_rpc:
+            assert reader.stats()["pending"] == {"gave_up": 1}
+
+
 def test_a_withdrawn_or_expired_mark_keeps_no_reader_waiting(sidecar: tuple[SidecarProcess, int],
                                                              qwen3_path: Path) -> None:
     proc, _ = sidecar

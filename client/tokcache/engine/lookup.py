@@ -52,6 +52,7 @@ __all__ = [
     "Lookup",
     "PENDING_POLL_S",
     "PENDING_WAIT_S",
+    "PendingWait",
     "PendingWrite",
     "ReadModel",
     "Result",
@@ -114,6 +115,42 @@ class CacheView(Protocol):
     def holds_ar(self) -> bool: ...
     def marks(self) -> bool: ...
     def read(self, key: bytes, known: Known | None = None) -> Walk | None: ...
+
+
+class PendingWait:
+    """One read's wait for the recorded outputs its text continues that are marked as on their
+    way (``Decision.ar_pending``), the same for every reader (the clients, the sidecar)::
+
+        wait = PendingWait()
+        while True:
+            may_wait = wait.open
+            ...read; if it is pending and may_wait: sleep(wait.poll()) and read again
+        outcome = wait.outcome(may_wait)  # None: never pending; "waited"; "gave_up"
+    """
+
+    __slots__ = ("_deadline",)
+
+    def __init__(self) -> None:
+        self._deadline: float | None = None
+
+    @property
+    def open(self) -> bool:
+        """Whether a read may still wait for a pending output (else it is served without it)."""
+        return self._deadline is None or time.monotonic() < self._deadline
+
+    def poll(self) -> float:
+        """A read found an output pending: seconds to sleep before reading again (the
+        PENDING_WAIT_S bound starts at the first)."""
+        if self._deadline is None:
+            self._deadline = time.monotonic() + PENDING_WAIT_S
+        return PENDING_POLL_S
+
+    def outcome(self, may_wait: bool) -> str | None:
+        """How the last read (made with ``may_wait``) ended the wait: None if no read was ever
+        pending, ``"waited"`` (served with the output), ``"gave_up"`` (served without it)."""
+        if self._deadline is None:
+            return None
+        return "waited" if may_wait else "gave_up"
 
 
 class TierNeeded(Exception):  # a signal to the caller, not an error
