@@ -277,6 +277,8 @@ class TokenizerService(pb_grpc.TokenizerServicer):  # generated base class, unty
             # this read was stored (defer_store).
             await asyncio.sleep(wait.poll())
         waited = wait.outcome(may_wait)
+        if waited is not None:
+            self.metrics.observe_pending(engine.name, waited)
         call.engine, call.outcome = engine, out
         d = out.decision
         if self.tracing.enabled:  # span attributes only; the metrics read the decision itself
@@ -285,7 +287,7 @@ class TokenizerService(pb_grpc.TokenizerServicer):  # generated base class, unty
             call.attrs["tokcache.mode"] = mode
             if tier_attrs:
                 call.attrs.update(tier_attrs)
-            if waited:
+            if waited is not None:
                 call.attrs["tokcache.record_pending"] = waited
         return pb.TokenizeResponse(
             token_ids=out.ids,

@@ -96,6 +96,8 @@ class Metrics:
         self.ar_spliced = Counter("tokcache_ar_spliced_tokens", "Recorded-output (AR) tokens spliced into prompts",
                                   ["model"], registry=r)
         self.records = Counter("tokcache_records", "RecordOutput items by result", ["model", "result"], registry=r)
+        self.pending_waits = Counter("tokcache_pending_waits", "Tokenize requests that waited for a recorded "
+                                     "output marked as on its way, by outcome", ["model", "outcome"], registry=r)
         self.store_fallbacks = Counter("tokcache_store_fallbacks", "Requests served without the cache "
                                        "because the store failed", ["model"], registry=r)
         self.model_info = Gauge("tokcache_model_info", "Served models (value 1)",
@@ -154,6 +156,8 @@ class Metrics:
             self.records.labels(model, result)
         for result in ("stored", "invalid"):
             self.tier_records.labels(model, result)
+        for outcome in ("waited", "gave_up"):
+            self.pending_waits.labels(model, outcome)
         for source in ("miss", "l0", "l1", "ar"):
             self.decisions.labels(model, source)
         for layer in ("l0", "l1", "ar_prefix", "ar_segment"):
@@ -188,6 +192,11 @@ class Metrics:
             child(self.ar_spliced, model).inc(d.ar_spliced_tokens)
         if d.store_errors:
             child(self.store_fallbacks, model).inc()
+
+    def observe_pending(self, model: str, outcome: str) -> None:
+        """A Tokenize that waited for a record marked as on its way: ``waited`` (served with
+        it) or ``gave_up`` (served without it, after PENDING_WAIT_S)."""
+        self._child(self.pending_waits, model, outcome).inc()
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> None:
         """Expose /metrics on ``addr:port`` from a daemon thread until :meth:`close`.

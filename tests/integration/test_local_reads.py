@@ -47,6 +47,15 @@ def _tokenize_rpcs(port: int) -> float:
                re.finditer(r'^tokcache_rpc_requests_total\{[^}]*method="Tokenize"[^}]*\} ([0-9.e+]+)$', text, re.M))
 
 
+def _metric(port: int, series: str) -> float:
+    """One series' value from the sidecar's /metrics (``name{labels}`` as exposed)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(series + " "):
+                return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{series} is not exposed")
+
+
 def _conversation(turns: int) -> list[str]:
     text, out = "<|im_start|>system\nYou are terse.<|im_end|>\n", []
     for k in range(turns):
@@ -629,7 +638,7 @@ def test_a_turn_read_over_rpc_waits_in_the_sidecar_for_a_record_marked_as_on_its
     answers at once with the output re-encoded."""
     import threading
 
-    proc, _ = sidecar
+    proc, port = sidecar
     ref = tokenizers.Tokenizer.from_file(str(qwen3_path / "tokenizer.json"))
     prompt = "<|im_start|>system\nYou are terse.<|im_end|>\n" + TURN.format(q="count to nine, quickly")
     output = "One two three,  four.\n\nFive six 789 — done, nine!"
@@ -658,9 +667,11 @@ def test_a_turn_read_over_rpc_waits_in_the_sidecar_for_a_record_marked_as_on_its
     if marked:
         assert got["ids"][:len(generated_prefix)] == generated_prefix and got["source"] == "ar"
         assert 0.4 <= got["seconds"] < 2.0
+        assert _metric(port, 'tokcache_pending_waits_total{model="qwen3",outcome="waited"}') == 1
     else:
         assert got["ids"][:len(generated_prefix)] != generated_prefix and got["source"] != "ar"
         assert got["seconds"] < 0.4
+        assert _metric(port, 'tokcache_pending_waits_total{model="qwen3",outcome="waited"}') == 0
     assert got["ids"][:len(prompt_ids)] == prompt_ids
 
 
@@ -672,7 +683,7 @@ def test_a_mark_whose_record_never_comes_holds_a_reader_for_pending_wait_s_at_mo
     counted as given up (the client's stats; the sidecar's span says so)."""
     from tokcache.engine.lookup import PENDING_WAIT_S
 
-    proc, _ = sidecar
+    proc, port = sidecar
     prompt = "<|im_start|>system\nYou are terse.<|im_end|>\n" + TURN.format(q="say bye")
     output = "Bye, then."
     follow = prompt + output + "<|im_end|>\n" + TURN.format(q="again?")
@@ -690,6 +701,8 @@ def test_a_mark_whose_record_never_comes_holds_a_reader_for_pending_wait_s_at_mo
         assert r.served_by == ("local" if zero_rpc else "sidecar")
         if zero_rpc:
             assert reader.stats()["pending"] == {"gave_up": 1}
+        else:
+            assert _metric(port, 'tokcache_pending_waits_total{model="qwen3",outcome="gave_up"}') == 1
 
 
 def test_a_withdrawn_or_expired_mark_keeps_no_reader_waiting(sidecar: tuple[SidecarProcess, int],
