@@ -41,27 +41,15 @@ from sidecar_client.errors import InvalidArgumentError, ResourceExhaustedError
 from tokcache.engine.errors import InvalidRequest, RequestTooLarge
 from tokcache.engine.heads import Heads, Ready
 from tokcache.engine.ids import LISTS, Chunks
-from tokcache.engine.lookup import (
-    PENDING_POLL_S,
-    PENDING_WAIT_S,
-    Later,
-    Limits,
-    Lookup,
-    PendingWait,
-    PendingWrite,
-    ReadModel,
-    Result,
-    TierNeeded,
-    commit,
-)
+from tokcache.engine.lookup import Later, Limits, Lookup, PendingWrite, ReadModel, Result, TierNeeded, commit
 from tokcache.engine.memo import ChainMemo
 from tokcache.engine.tokenizer import Manifest, ManifestMismatch, from_manifest
 from tokcache.store import Kind, LockTimeout, SegmentError, SegmentMismatch, Store, StoreError, StoreReader
 from tokcache.store._layout import RETIRED_MARK, W_RETIRED
 from tokcache.store.keys import output_key, pending_key
 
-__all__ = ["MIN_WRITE_BYTES", "PENDING_POLL_S", "PENDING_WAIT_S", "LocalModel", "LocalPaths", "LocalStats",
-           "LocalUnavailable", "PendingWait", "RecordPending", "WriteBehind", "find_tokenizer_json"]
+__all__ = ["MIN_WRITE_BYTES", "LocalModel", "LocalPaths", "LocalStats", "LocalUnavailable", "RecordPending",
+           "WriteBehind", "find_tokenizer_json"]
 
 log = logging.getLogger("sidecar_client.local")
 
@@ -93,7 +81,7 @@ HEADS_QUIET_S = 0.002
 
 
 class RecordPending(Exception):  # a signal to the client, not an error
-    """The read's text continues a recorded output that is on its way (see PENDING_WAIT_S):
+    """The read's text continues a recorded output that is on its way (see tokcache.engine.lookup.PENDING_WAIT_S):
     ask again shortly, with ``may_wait`` False once done waiting."""
 
 

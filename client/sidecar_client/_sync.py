@@ -11,10 +11,11 @@ from typing import Any
 import grpc
 
 from sidecar_client import _core
-from sidecar_client._local import MIN_WRITE_BYTES, LocalPaths, PendingWait, RecordPending
+from sidecar_client._local import MIN_WRITE_BYTES, LocalPaths, RecordPending
 from sidecar_client._models import ModelInfo, RecordResult, RecordSummary, TokenizeResult
 from sidecar_client._tokenize_stream import SyncTokenizeStream
 from sidecar_client.errors import TokcacheError, translate
+from tokcache.engine.lookup import PendingWait
 from tokcache.v1 import tokenizer_pb2 as pb
 from tokcache.v1 import tokenizer_pb2_grpc as pb_grpc
 

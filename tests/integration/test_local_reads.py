@@ -586,6 +586,12 @@ def _generated(ref: tokenizers.Tokenizer, text: str) -> list[int]:
     return out
 
 
+def _chat(question: str, output: str, follow_up: str) -> tuple[str, str]:
+    """(prompt, next turn's text) of a terse chat: ``question``, the model's ``output``, ``follow_up``."""
+    prompt = "<|im_start|>system\nYou are terse.<|im_end|>\n" + TURN.format(q=question)
+    return prompt, prompt + output + "<|im_end|>\n" + TURN.format(q=follow_up)
+
+
 @pytest.mark.parametrize("marked", [True, False])
 def test_a_turn_read_in_another_process_waits_for_a_record_marked_as_on_its_way(
         sidecar: tuple[SidecarProcess, int], qwen3_path: Path, marked: bool) -> None:
@@ -595,10 +601,9 @@ def test_a_turn_read_in_another_process_waits_for_a_record_marked_as_on_its_way(
     Unmarked (the control), the same reader serves the re-encoded output at once."""
     proc, _ = sidecar
     ref = tokenizers.Tokenizer.from_file(str(qwen3_path / "tokenizer.json"))
-    prompt = "<|im_start|>system\nYou are terse.<|im_end|>\n" + TURN.format(q="count to twelve, slowly")
     output = "One,  two,   three.\n\nFour five six 789 — and 10, 11, 12!"
+    prompt, follow = _chat("count to twelve, slowly", output, "and back?")
     out_ids = _generated(ref, output)
-    follow = prompt + output + "<|im_end|>\n" + TURN.format(q="and back?")
     with SidecarClient(proc.address) as writer:
         prompt_ids = writer.tokenize("qwen3", text=prompt, add_special_tokens=False).token_ids
         if marked:
@@ -640,10 +645,9 @@ def test_a_turn_read_over_rpc_waits_in_the_sidecar_for_a_record_marked_as_on_its
 
     proc, port = sidecar
     ref = tokenizers.Tokenizer.from_file(str(qwen3_path / "tokenizer.json"))
-    prompt = "<|im_start|>system\nYou are terse.<|im_end|>\n" + TURN.format(q="count to nine, quickly")
     output = "One two three,  four.\n\nFive six 789 — done, nine!"
+    prompt, follow = _chat("count to nine, quickly", output, "and back?")
     out_ids = _generated(ref, output)
-    follow = prompt + output + "<|im_end|>\n" + TURN.format(q="and back?")
     got: dict[str, Any] = {}
     with SidecarClient(proc.address) as writer, SidecarClient(proc.address, zero_rpc=False) as reader:
         prompt_ids = writer.tokenize("qwen3", text=prompt, add_special_tokens=False).token_ids
@@ -684,9 +688,8 @@ def test_a_mark_whose_record_never_comes_holds_a_reader_for_pending_wait_s_at_mo
     from tokcache.engine.lookup import PENDING_WAIT_S
 
     proc, port = sidecar
-    prompt = "<|im_start|>system\nYou are terse.<|im_end|>\n" + TURN.format(q="say bye")
     output = "Bye, then."
-    follow = prompt + output + "<|im_end|>\n" + TURN.format(q="again?")
+    prompt, follow = _chat("say bye", output, "again?")
     with SidecarClient(proc.address) as writer, SidecarClient(proc.address, zero_rpc=zero_rpc) as reader:
         prompt_ids = writer.tokenize("qwen3", text=prompt, add_special_tokens=False).token_ids
         reader.tokenize("qwen3", text="warm up: map the segment, load the encoder")
@@ -746,10 +749,9 @@ def test_the_plugin_marks_a_record_its_response_could_not_wait_for_and_another_a
     assert proc.proc is not None
     tj = qwen3_path / "tokenizer.json"
     ref = tokenizers.Tokenizer.from_file(str(tj))
-    prompt = "<|im_start|>system\nYou are terse.<|im_end|>\n" + TURN.format(q="count to twelve, slowly")
     output = "One,  two,   three.\n\nFour five six 789 — and 10, 11, 12!"
+    prompt, follow = _chat("count to twelve, slowly", output, "and back?")
     out_ids = _generated(ref, output)
-    follow = prompt + output + "<|im_end|>\n" + TURN.format(q="and back?")
 
     def runtime() -> PluginRuntime:
         config = PluginConfig(address=proc.address, timeout_s=2.0, record_wait_s=wait_s)
