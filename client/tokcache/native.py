@@ -12,7 +12,10 @@ import os
 import warnings
 from typing import Any
 
-__all__ = ["load"]
+__all__ = ["ENGINE_API", "engine", "load"]
+
+# The version of tokcache.engine._speedups' functions this code calls (its ``API``).
+ENGINE_API = 5
 
 
 def load(module: str, api: int) -> Any:  # noqa: ANN401 - the extension module, or None
@@ -29,3 +32,8 @@ def load(module: str, api: int) -> Any:  # noqa: ANN401 - the extension module, 
                       "using the pure-Python code. Rebuild: pip install -e .", RuntimeWarning, stacklevel=2)
         return None
     return ext
+
+
+def engine() -> Any:  # noqa: ANN401 - the extension module, or None
+    """``tokcache.engine._speedups`` if it can serve (see :func:`load`), else None."""
+    return load("tokcache.engine._speedups", ENGINE_API)

@@ -241,6 +241,9 @@ static PyObject *Matcher_scan(Matcher *self, PyObject *args) {
         return NULL;
     }
     PyBuffer_Release(&view);
+    /* Lists of (int, int) tuples: in no cycle; kept by the memo (see py_untrack). */
+    PyObject_GC_UnTrack(spans);
+    PyObject_GC_UnTrack(tail);
     return Py_BuildValue("(NNnn)", spans, tail, kept_end, stable);
 }
 
@@ -554,6 +557,10 @@ static PyObject *py_extend(PyObject *self, PyObject *args) {
         if (as_ssize(PyList_GET_ITEM(keyed, pos), &ci) < 0 || span_at(spans, ci, &si, &hit_start) < 0) goto fail;
         tail_chars = utf8_chars((const unsigned char *)PyBytes_AS_STRING(data) + hit_start, total - hit_start);
     }
+    /* Lists of ints, (int, int) tuples, bytes or None: in no cycle (see py_untrack). */
+    PyObject_GC_UnTrack(spans);
+    PyObject_GC_UnTrack(keyed);
+    PyObject_GC_UnTrack(keys);
     result = Py_BuildValue("(OOOOnnnOOOnOnOOOn)", base, data, spans, tail_list, tail_from, kept_end, stable, keyed,
                            keys, state, last, exact, pos, key, PyTuple_GET_ITEM(held, 0), PyTuple_GET_ITEM(held, 1),
                            tail_chars);
@@ -680,8 +687,25 @@ static PyObject *py_common_prefix(PyObject *self, PyObject *args) {
     return PyLong_FromSsize_t(i);
 }
 
+PyDoc_STRVAR(untrack_doc,
+"untrack(ids) -> ids: stop the cyclic garbage collector from tracking the list ``ids``,\n"
+"which holds ints or tuples of ints only and so can be in no reference cycle. Collections\n"
+"then skip it: each one would visit every id of every list a reader keeps (memo chains,\n"
+"encodings), touching each int in memory. Refcounting still frees it.");
+
+static PyObject *py_untrack(PyObject *self, PyObject *ids) {
+    if (!PyList_CheckExact(ids)) {
+        PyErr_SetString(PyExc_TypeError, "untrack: expected a list");
+        return NULL;
+    }
+    if (PyObject_GC_IsTracked(ids)) PyObject_GC_UnTrack(ids);
+    Py_INCREF(ids);
+    return ids;
+}
+
 static PyMethodDef methods[] = {
     {"common_prefix", py_common_prefix, METH_VARARGS, common_prefix_doc},
+    {"untrack", py_untrack, METH_O, untrack_doc},
     {"cut_tokens", py_cut_tokens, METH_VARARGS, cut_tokens_doc},
     {"extend", py_extend, METH_VARARGS, extend_doc},
     {NULL, NULL, 0, NULL},
@@ -717,7 +741,7 @@ PyMODINIT_FUNC PyInit__speedups(void) {
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
     Py_INCREF(&MatcherType);
-    if (PyModule_AddIntConstant(m, "API", 4) < 0 || PyModule_AddObject(m, "Matcher", (PyObject *)&MatcherType) < 0) {
+    if (PyModule_AddIntConstant(m, "API", 5) < 0 || PyModule_AddObject(m, "Matcher", (PyObject *)&MatcherType) < 0) {
         Py_DECREF(&MatcherType);
         Py_DECREF(m);
         return NULL;

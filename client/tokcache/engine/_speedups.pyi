@@ -1,7 +1,9 @@
 """Types of the C extension ``_speedups.c``: the added-token scan (``boundaries.py`` is the
 reference) and the steady-state lookup (``lookup.py``'s Python path is the reference)."""
 
-from typing import Any
+from typing import Any, TypeVar
+
+_L = TypeVar("_L", bound=list[Any])
 
 API: int  # the version of these functions (the loader checks it)
 
@@ -16,3 +18,4 @@ def extend(text: str, recent: list[Any], ns: tuple[str, bytes], ctx: tuple[Any, 
 def cut_tokens(data: bytes, spans: list[tuple[int, int]], i: int, last: int, keyed: list[int], k: int,
                ids: list[int], pos: int, id_of: dict[bytes, int], at: dict[int, int]) -> None: ...
 def common_prefix(a: bytes, b: bytes) -> int: ...
+def untrack(ids: _L) -> _L: ...

@@ -32,13 +32,14 @@ from typing import Any
 
 from tokcache import native
 from tokcache.engine.encoder import Encoder
+from tokcache.engine.ids import untrack
 
 log = logging.getLogger(__name__)
 
 # The added-token scan in C (``_speedups.c``: the same matches as the trie regex below) when
 # the extension was built. TOKCACHE_PURE_PYTHON=1 forces the regex (the tests compare both).
 def _load_native() -> Any:  # noqa: ANN401 - the extension module, or None
-    return native.load("tokcache.engine._speedups", 4)
+    return native.engine()
 
 
 _native: Any = _load_native()
@@ -487,6 +488,7 @@ class BoundaryScanner:
 
     def _keep(self, scan: Scan, base: Scan | None) -> Scan:
         """File ``scan`` among the recent texts, superseding ``base``; returns it."""
+        untrack(scan.spans)  # kept: see tokcache.engine.ids.untrack (the native scan did it already)
         # The text this one extends is superseded: a conversation keeps one entry (its latest
         # turn), so the budget holds as many conversations as it can.
         with self._lock:

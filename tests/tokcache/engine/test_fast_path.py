@@ -12,6 +12,7 @@ reference builds none.
 
 from __future__ import annotations
 
+import gc
 import random
 import uuid
 from collections.abc import Iterator
@@ -21,7 +22,8 @@ from typing import Any
 import pytest
 
 from tokcache.engine import lookup as lookup_mod
-from tokcache.engine.ids import LISTS, Chunks
+from tokcache.engine.boundaries import Scan
+from tokcache.engine.ids import LISTS, Chunks, untrack
 from tokcache.engine.lookup import Lookup, ReadModel, _cut_tokens, commit
 from tokcache.engine.memo import ChainMemo
 from tokcache.engine.tokenizer import Manifest, from_manifest
@@ -169,6 +171,52 @@ def test_native_and_python_paths_agree_along_long_chats(engine: ModelEngine, mod
         reader.close()
         store.unlink()
         store.close()
+
+
+def _reachable(*roots: object) -> list[object]:
+    """Every object reachable from ``roots`` (tracked by the collector or not)."""
+    seen: dict[int, object] = {}
+    todo = list(roots)
+    while todo:
+        obj = todo.pop()
+        if id(obj) not in seen:
+            seen[id(obj)] = obj
+            todo += gc.get_referents(obj)
+    return list(seen.values())
+
+
+def test_what_a_reader_keeps_costs_the_garbage_collector_nothing(engine: ModelEngine, own_model: ReadModel) -> None:
+    """The id lists (memo chains, a scan's encoding) and boundary spans a reader keeps hold
+    only ints and tuples of ints, so they are untracked by the cyclic collector: each
+    collection of the caller's process would visit every id of every conversation kept.
+    The caller's own list stays tracked (it may put anything in it)."""
+    store = Store.open(prefix=f"tkt-fast-{uuid.uuid4().hex[:8]}", fingerprint=engine.fingerprint, size=16 << 20,
+                       id_bytes=3)
+    reader = StoreReader.attach_name(store.name)
+    try:
+        memo: ChainMemo[Chunks] = ChainMemo(LISTS)
+        lk: Lookup[Chunks, list[int]] = Lookup(own_model, reader, memo)
+        rng = random.Random(f"{engine.name}-gc")
+        msgs: list[dict[str, Any]] = [{"role": "system", "content": _para(rng, 300)}]
+        for _ in range(6):
+            msgs.append({"role": "user", "content": _para(rng, 200)})
+            got = lk.tokenize(engine.render(msgs, add_generation_prompt=True), add_special_tokens=False)
+            assert gc.is_tracked(got.ids)
+            if got.write is not None:
+                commit(store, memo, got.write)
+            msgs.append({"role": "assistant", "content": _para(rng, 80)})
+        kept = _reachable(memo, own_model.scanner)
+        id_lists = [ref for c in kept if isinstance(c, Chunks) for ref, _ in c.parts]
+        id_lists += [s.encoded.ids for s in kept if isinstance(s, Scan) and s.encoded is not None]
+        spans = [s.spans for s in kept if isinstance(s, Scan) and s.spans]
+        assert len(id_lists) >= 3 and spans, (len(id_lists), len(spans))  # else this tests nothing
+        assert not [len(x) for x in id_lists + spans if gc.is_tracked(x)]
+    finally:
+        reader.close()
+        store.unlink()
+        store.close()
+    with pytest.raises(TypeError):
+        untrack((1, 2))  # type: ignore[arg-type]
 
 
 def test_native_cut_tokens_equals_the_python_walk(engine: ModelEngine, model: ReadModel,
