@@ -60,8 +60,15 @@ INLINE_LOCK_S = 0.01  # how long a request storing its previous turn's write wai
 # The background writer looks for writes every tick while offers come (a process storing
 # its own previous turn inline leaves it nothing to do), and parks after this many empty
 # ticks: an idle process's write lands within a tick, a busy one's offers wake nothing.
-WRITER_TICK_S = 0.02
-WRITER_PARK_TICKS = 50
+# Every look costs the process more than its few µs of work: the thread needs the GIL, so
+# the request thread hands it over and, on a busy node, waits for a core to give it back
+# cold. bench/concurrency.py-style replay, 16 processes on 2 cores, client CPU per request
+# (three runs each): tick 20 ms 263/259/264 µs, 100 ms 245/241/230, 1 s 241/229/228, no
+# thread at all 226/233/223. A conversation's next turn stores its previous write itself
+# (settle_related), so the tick only bounds how late another process sees it: well under a
+# turn (a model's answer and the agent's tool call take longer).
+WRITER_TICK_S = 0.1
+WRITER_PARK_TICKS = 10
 # A read whose uncached tail is shorter than this many UTF-8 bytes stores nothing. This
 # process re-encodes none of it (its next turn starts from its own previous encoding, see
 # Lookup._canonical_tail); another process that gets the conversation's next turn encodes at
@@ -76,7 +83,10 @@ MIN_WRITE_BYTES = 16384
 # p50 at 16384 for every read, 408 with 4096).
 MIN_FIRST_WRITE_BYTES = 4096
 # The background thread builds heads (tokcache.engine.heads), and settles reads' bookkeeping
-# (Settler), once no request offered one for this long.
+# (Settler), once no request offered one for this long. While requests keep coming (a look
+# finds the last one younger than that), it looks twice as late each time, up to a tick:
+# back to back, the requests settle their own bookkeeping, and a look every HEADS_QUIET_S
+# would cost the GIL hand-off above ~500 times a second.
 HEADS_QUIET_S = 0.002
 
 
@@ -326,6 +336,7 @@ class WriteBehind:
 
     def _run(self) -> None:
         idle = 0
+        backoff = HEADS_QUIET_S  # the shortest wait for a pause (see HEADS_QUIET_S)
         while True:
             settle = False
             item = None
@@ -338,7 +349,7 @@ class WriteBehind:
                         if left <= 0:
                             settle = True
                             break
-                        wait_s = min(wait_s, left)
+                        wait_s = min(wait_s, max(left, backoff))
                     item = None if self._busy else next((i for i in self._items if i.state == 0), None)
                     if item is not None:
                         break
@@ -346,7 +357,9 @@ class WriteBehind:
                         left = self.heads.quiet_in(HEADS_QUIET_S)
                         if left <= 0:
                             break
-                        wait_s = min(wait_s, left)
+                        wait_s = min(wait_s, max(left, backoff))
+                    if wait_s < WRITER_TICK_S:  # waiting for a pause that has not come: later next time
+                        backoff = min(2 * backoff, WRITER_TICK_S)
                     if self._closed:
                         return
                     if idle >= WRITER_PARK_TICKS and not self.heads.pending and not settler.pending:  # park
@@ -361,6 +374,8 @@ class WriteBehind:
                     item.state = 1
                     self._busy = True
             idle = 0
+            if item is None:  # a pause came: the next one is looked for soon again
+                backoff = HEADS_QUIET_S
             if settle:
                 self.settler.run()
             elif item is not None:

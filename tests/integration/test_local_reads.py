@@ -557,6 +557,58 @@ def test_the_background_thread_builds_the_head_between_turns(
         assert heads.used - used >= len(texts) - 1, (heads.built, heads.used)
 
 
+def test_the_background_thread_looks_rarely_while_requests_keep_coming(
+        sidecar: tuple[SidecarProcess, int], qwen3_path: Path) -> None:
+    """Back to back, every request settles its predecessor's bookkeeping itself; a look by the
+    write-behind thread would only cost the caller a GIL hand-off. So while requests keep coming
+    the thread looks twice as late each time (up to WRITER_TICK_S), not every HEADS_QUIET_S
+    (~80 looks a second before: as often as the GIL let it); once they pause it still settles the last read and builds
+    its head, and the ids are right throughout."""
+    import threading
+    import time
+
+    proc, _ = sidecar
+    ref = tokenizers.Tokenizer.from_file(str(qwen3_path / "tokenizer.json"))
+
+    class CountingCondition:
+        def __init__(self, cond: threading.Condition) -> None:
+            self.cond, self.waits = cond, 0
+
+        def wait(self, timeout: float | None = None) -> bool:
+            self.waits += 1
+            return self.cond.wait(timeout)
+
+        def notify(self, n: int = 1) -> None:
+            self.cond.notify(n)
+
+        def notify_all(self) -> None:
+            self.cond.notify_all()
+
+    texts = [t for seed in range(6) for t in _agent_turns(12, 600 + seed)]
+    want = {t: ref.encode(t, add_special_tokens=False).ids for t in texts}
+    with SidecarClient(proc.address) as c:
+        while c.tokenize("qwen3", text="warm up").served_by != "local":
+            pass
+        local = c._local.get("qwen3") if c._local is not None else None
+        assert local is not None
+        assert c.flush(5)
+        counting = CountingCondition(local.writer._work)
+        local.writer._work = counting  # type: ignore[assignment]
+        burst, n, t0 = 1.0, 0, time.monotonic()
+        while time.monotonic() - t0 < burst:
+            text = texts[n % len(texts)]
+            assert c.tokenize("qwen3", text=text, add_special_tokens=False).token_ids == want[text], n
+            n += 1
+        elapsed = time.monotonic() - t0
+        looks = counting.waits
+        assert n >= 100, n  # requests did keep coming
+        assert looks * 0.025 < elapsed, (looks, n, elapsed)  # ~16 looks in 1 s (~80 before)
+        deadline = time.monotonic() + 5
+        while (local.settler.pending or local.lookup.heads.pending) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not local.settler.pending and not local.lookup.heads.pending
+
+
 _READER = textwrap.dedent("""
     import json, sys, time
     from sidecar_client import SidecarClient
