@@ -107,7 +107,7 @@ proto: $(STAMP)
 	$(PY) scripts/gen_proto.py
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check sidecar client/sidecar_client tests bench scripts e2e
+	$(VENV)/bin/ruff check sidecar client tests bench scripts e2e
 	MYPY=$(CURDIR)/$(VENV)/bin/mypy bash scripts/typecheck.sh
 
 clean:

@@ -64,7 +64,9 @@ HOOK = ("needs _sync.py/_async.py to call the _core hook (not this change's file
 # --------------------------------------------------------------------------- field paths
 
 _NAME = re.compile(r"[A-Za-z_]\w*")
-_STEP = re.compile(r"""\.(\w+)|\[(\d+)\]|\[('(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*")\]""")
+# ``.name`` for a key that is an identifier (str.isidentifier: ``A·`` is one, though ``\w``
+# stops at its middle dot), else ``['key']``.
+_STEP = re.compile(r"""\.([^.\[\]]+)|\[(\d+)\]|\[('(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*")\]""")
 
 
 def resolves(field: str | None, args: Mapping[str, Any]) -> bool:
@@ -76,7 +78,7 @@ def resolves(field: str | None, args: Mapping[str, Any]) -> bool:
     pos = root.end()
     while pos < len(field):
         step = _STEP.match(field, pos)
-        if step is None:
+        if step is None or (step.group(1) is not None and not step.group(1).isidentifier()):
             return False
         pos = step.end()
         last = pos == len(field)
@@ -99,6 +101,7 @@ def test_resolves() -> None:
     assert resolves("messages[0].tool_calls[0].function['a b']", args)
     assert not resolves("chat.messages[0]", args) and not resolves("messages[1].role", args)
     assert not resolves("messages[0].nope.role", args) and not resolves("stop_string", args)
+    assert resolves("messages[0].A·", {"messages": [{"A·": 1}]}) and not resolves("messages[0].a b", args)
 
 
 def _params(method: str) -> dict[str, Any]:

@@ -32,11 +32,12 @@ _L = TypeVar("_L", bound="list[Any]")
 
 def untrack(ids: _L) -> _L:
     """``ids``, no longer tracked by the cyclic garbage collector (without the C extension:
-    unchanged). A list of ints (or of tuples of ints: boundary spans) is in no cycle, and each collection of a process would visit
-    every id of every list a reader keeps — ~1 M references for a few long conversations,
-    each a memory access — so a client's memo chains and encodings cost every collection
-    of the caller's process nothing (measured: 11 -> 4 µs of collector time per request in
-    57 KB agent chats). Only for lists no caller gets: it may put anything in its own."""
+    unchanged). A list of ints (or of tuples of ints: boundary spans) is in no cycle, and
+    each collection of a process would visit every id of every list a reader keeps — ~1 M
+    references for a few long conversations, each a memory access — so a client's memo
+    chains and encodings cost every collection of the caller's process nothing (measured:
+    11 -> 4 µs of collector time per request in 57 KB agent chats). Only for lists no caller
+    gets: it may put anything in its own."""
     return ids
 
 
