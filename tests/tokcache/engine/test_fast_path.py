@@ -15,6 +15,7 @@ from __future__ import annotations
 import gc
 import random
 import uuid
+from collections import OrderedDict, deque
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -173,14 +174,22 @@ def test_native_and_python_paths_agree_along_long_chats(engine: ModelEngine, mod
         store.close()
 
 
+_CONTAINERS = (dict, list, tuple, set, frozenset, OrderedDict, deque)
+
+
 def _reachable(*roots: object) -> list[object]:
-    """Every object reachable from ``roots`` (tracked by the collector or not)."""
+    """The objects reachable from ``roots`` through plain containers and tokcache's own objects
+    (tracked by the collector or not). Not through anything else: walking into types, modules
+    and functions would reach the whole interpreter (on 3.12 the walk did not end)."""
     seen: dict[int, object] = {}
     todo = list(roots)
     while todo:
         obj = todo.pop()
-        if id(obj) not in seen:
-            seen[id(obj)] = obj
+        if id(obj) in seen:
+            continue
+        seen[id(obj)] = obj
+        kind = type(obj)
+        if kind in _CONTAINERS or (kind.__module__.startswith("tokcache.") and not isinstance(obj, type)):
             todo += gc.get_referents(obj)
     return list(seen.values())
 
