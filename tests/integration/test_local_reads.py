@@ -562,8 +562,8 @@ def test_the_background_thread_looks_rarely_while_requests_keep_coming(
     """Back to back, every request settles its predecessor's bookkeeping itself; a look by the
     write-behind thread would only cost the caller a GIL hand-off. So while requests keep coming
     the thread looks twice as late each time (up to WRITER_TICK_S), not every HEADS_QUIET_S
-    (~80 looks a second before: as often as the GIL let it); once they pause it still settles the last read and builds
-    its head, and the ids are right throughout."""
+    (~80 looks a second before: as often as the GIL let it); once they pause it still settles
+    the last read and builds its head, and the ids are right throughout."""
     import threading
     import time
 

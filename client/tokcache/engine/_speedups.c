@@ -698,7 +698,7 @@ static PyObject *py_untrack(PyObject *self, PyObject *ids) {
         PyErr_SetString(PyExc_TypeError, "untrack: expected a list");
         return NULL;
     }
-    if (PyObject_GC_IsTracked(ids)) PyObject_GC_UnTrack(ids);
+    PyObject_GC_UnTrack(ids); /* a no-op on an untracked object */
     Py_INCREF(ids);
     return ids;
 }
