@@ -316,11 +316,19 @@ class TokcacheContender(Contender):
     """
 
     def __init__(self, tokenizer_dir: Path, log_dir: Path, add_special_tokens: bool, shm_size: str = "256MiB",
-                 stream: bool = True, zero_rpc: bool = True, name: str = "", heads: bool = True) -> None:
+                 stream: bool = True, zero_rpc: bool = True, name: str = "", heads: bool = True,
+                 record_outputs: bool = False) -> None:
         self._stream = stream
         self._zero_rpc = zero_rpc
         self._heads = heads  # False: the in-process read's heads (tokcache.engine.heads) switched off
-        if zero_rpc:
+        # True: every turn's output is recorded (RecordOutput) before the next turn, as vLLM's
+        # plugin does, so kv-stable reads take recorded outputs (AR) into account: see prepare.
+        self._record = record_outputs
+        self._prev: tuple[str, list[int]] | None = None
+        self._ref: Any = None
+        if record_outputs:
+            self.name, self.label = name or "tokcache-ar", "tokcache, outputs recorded (what vLLM's plugin does)"
+        elif zero_rpc:
             self.name, self.label = name or "tokcache", "tokcache (default client: reads in this process)"
         else:
             self.name = name or "tokcache-rpc"
@@ -418,11 +426,45 @@ class TokcacheContender(Contender):
         ids = r.token_ids
         if not isinstance(ids, list):
             ids = list(ids)
+        if self._record:
+            self._prev = (text, ids)
         # last_info() reads it outside the timed call, as other contenders' do. Not the result
         # itself: holding it would free the previous call's 15k-id list inside this timed call
         # (~25 µs cold), a cost no other contender's call carries (the harness drops theirs).
         self._last = (r.decision, r.served_by)
         return ids
+
+    def prepare(self, text: str) -> None:
+        """Before the timed call for ``text`` (``record_outputs`` only): record the output that
+        took the previous prompt to this one — what a serving engine does once its response is
+        sent, before the client's next turn. The output is the text from the previous prompt's
+        end to the first added token after it, whose id ends the output (the end-of-turn token
+        the model generated); its ids are that text's canonical encoding, so the kv-stable ids
+        still equal ``tokenizers``' and are checked as everyone's. A text that does not extend
+        the previous prompt (a template that rewrote history) records nothing."""
+        if not self._record or self._prev is None:
+            return
+        prompt, prompt_ids = self._prev
+        self._prev = None
+        if not text.startswith(prompt):
+            return
+        if self._ref is None:
+            import re
+
+            import tokenizers
+
+            self._ref = tokenizers.Tokenizer.from_file(str(self._dir / "tokenizer.json"))
+            added = sorted((t.content for t in self._ref.get_added_tokens_decoder().values() if t.special),
+                           key=len, reverse=True)
+            self._added = re.compile("|".join(map(re.escape, added)))
+        rest = text[len(prompt):]
+        end = self._added.search(rest)
+        if end is None or end.start() == 0:
+            return
+        out = rest[: end.start()]
+        ids = self._ref.encode(out, add_special_tokens=False).ids + [self._ref.token_to_id(end.group())]
+        self._client.record_output(TOKCACHE_MODEL, prompt_text=prompt, prompt_token_ids=prompt_ids, output_text=out,
+                                   output_token_ids=ids, stop_reason=None, prompt_add_special_tokens=self._add)
 
     def settle(self) -> None:
         """Wait for the client's write-behind (between timed calls, not inside one)."""

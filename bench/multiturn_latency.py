@@ -14,6 +14,11 @@ text at the last turn) and, turn by turn, has every contender tokenize the same 
                       time it took is recorded as ``write_us``), which also copies the next
                       turn's head (``tokcache.engine.heads``); ``--heads-device`` adds
                       ``tokcache-no-heads``, the same with heads switched off
+- ``tokcache-ar``     the default client as vLLM's plugin uses it: each turn's output is
+                      recorded (``RecordOutput``, untimed) before the next turn, so reads
+                      splice recorded outputs (kv-stable with AR entries: the Python path, as
+                      the native fast path steps aside once the segment holds any);
+                      ``--no-ar`` skips it
 - ``tokcache-rpc``    the same over gRPC on a unix socket (``zero_rpc=False``: its
                       ``TokenizeStream``); ``--rpc-devices`` adds ``tokcache-rpc-unary``, the
                       same with the stream switched off (unary ``Tokenize`` calls)
@@ -154,6 +159,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--rpc-devices", action="store_true",
                     help="also run tokcache-rpc over the unary Tokenize (what the TokenizeStream saves)")
     ap.add_argument("--no-rpc", action="store_true", help="skip the tokcache RPC contenders")
+    ap.add_argument("--no-ar", action="store_true", help="skip tokcache-ar (outputs recorded between turns)")
     ap.add_argument("--heads-device", action="store_true",
                     help="also run tokcache-no-heads: the in-process read with its heads off (what heads save)")
     ap.add_argument("--long", action="store_true",
@@ -191,6 +197,8 @@ def build_contenders(
     if not args.no_tokcache:
         tc = TokcacheContender(tok_dir, args.out_dir, add)
         entries.append(Entry(tc))
+        if not args.no_ar:
+            entries.append(Entry(TokcacheContender(tok_dir, args.out_dir, add, record_outputs=True)))
         if args.heads_device:
             entries.append(Entry(TokcacheContender(tok_dir, args.out_dir, add, heads=False, name="tokcache-no-heads")))
         if not args.no_rpc:
@@ -313,6 +321,9 @@ def run(args: argparse.Namespace) -> int:
                     # CPython caches a str's UTF-8 form the first time a native library asks for it
                     # (PyO3 &str), so sharing one object would hand that work to whoever ran first.
                     own = text.encode("utf-8").decode("utf-8")
+                    prepare = getattr(c, "prepare", None)
+                    if prepare is not None:  # tokcache-ar: the previous turn's output is recorded first
+                        prepare(own)
                     gc.disable()
                     try:
                         t0 = time.perf_counter_ns()
@@ -533,7 +544,7 @@ def summarise(
                 pass
     summ = {k: v["summary_turns_ge2"] for k, v in res["contenders"].items() if v["summary_turns_ge2"]["n"]}
     ratios: dict[str, dict[str, float]] = {}
-    nums = ("tokcache", "tokcache-no-heads", "tokcache-rpc", "tokcache-rpc-unary", "smg")
+    nums = ("tokcache", "tokcache-ar", "tokcache-no-heads", "tokcache-rpc", "tokcache-rpc-unary", "smg")
     for num in nums:
         if num not in summ:
             continue

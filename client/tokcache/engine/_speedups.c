@@ -304,6 +304,14 @@ static int feed(PyObject *h, PyObject *data, Py_ssize_t a, Py_ssize_t b) {
     return 0;
 }
 
+/* The set bits of x (SWAR: __builtin_popcountll is a libgcc call unless built for a CPU with popcnt). */
+static inline Py_ssize_t popcount64(uint64_t x) {
+    x = x - ((x >> 1) & 0x5555555555555555ULL);
+    x = (x & 0x3333333333333333ULL) + ((x >> 2) & 0x3333333333333333ULL);
+    x = (x + (x >> 4)) & 0x0F0F0F0F0F0F0F0FULL;
+    return (Py_ssize_t)((x * 0x0101010101010101ULL) >> 56);
+}
+
 /* The characters of n bytes of valid UTF-8: the bytes that are not continuation bytes
  * (10xxxxxx), counted eight at a time (a tail of 16 KB byte by byte took ~5 us). */
 static Py_ssize_t utf8_chars(const unsigned char *d, Py_ssize_t n) {
@@ -311,7 +319,7 @@ static Py_ssize_t utf8_chars(const unsigned char *d, Py_ssize_t n) {
     for (; i + 8 <= n; i += 8) {
         uint64_t x;
         memcpy(&x, d + i, 8);
-        cont += __builtin_popcountll(x & ~(x << 1) & 0x8080808080808080ULL);
+        cont += popcount64(x & ~(x << 1) & 0x8080808080808080ULL);
     }
     for (; i < n; i++) cont += (d[i] & 0xC0) == 0x80;
     return n - cont;
