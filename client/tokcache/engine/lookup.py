@@ -824,7 +824,7 @@ class Lookup(Generic[Ids, Out]):
                     continue
                 for p in _segment_starts(body):
                     try:
-                        found = store.read(segment_key(salt, tag, body[p:]))
+                        found = store.read(segment_key(salt, tag, memoryview(body)[p:]))
                     except StoreError:
                         found = None
                     if found is not None and found.held is None:

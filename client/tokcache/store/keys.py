@@ -101,12 +101,20 @@ def pending_key(ar_key: bytes) -> bytes:
     return h.digest(KEY_BYTES)
 
 
-def segment_key(salt: str, mode: bytes, text: bytes) -> bytes:
-    """Key of a segment-AR entry: a recorded output's text on its own."""
-    salt_b = salt.encode("utf-8")
-    h = blake3(b"tokcache/v1\x00S" + mode + len(salt_b).to_bytes(4, "little") + salt_b)
+def segment_key(salt: str, mode: bytes, text: bytes | memoryview) -> bytes:
+    """Key of a segment-AR entry: a recorded output's text on its own (a read probes one per
+    piece of its uncached tail: the namespace header is hashed once per namespace)."""
+    h = _segment_root(salt, mode).copy()
     h.update(text)
-    return h.digest(KEY_BYTES)
+    key: bytes = h.digest(KEY_BYTES)
+    return key
+
+
+@functools.lru_cache(maxsize=256)
+def _segment_root(salt: str, mode: bytes) -> Any:  # noqa: ANN401 - blake3's hasher type is untyped
+    """A hasher fed segment_key's namespace header: copy it, never update it."""
+    salt_b = salt.encode("utf-8")
+    return blake3(b"tokcache/v1\x00S" + mode + len(salt_b).to_bytes(4, "little") + salt_b)
 
 
 # Which cuts carry an L1 key: the first cut, and the first cut ending in each KEY_GRID-byte

@@ -151,3 +151,24 @@ def test_a_text_resumed_from_a_state_cut_back_has_the_same_keys(
     assert [keys.ar_key(i) for i in range(len(new_spans))] == ar_keys
     later = keys.state()
     assert later is None or later.hasher is not None  # a state passed on always has its hasher
+
+
+def test_segment_key_is_its_documented_hash_whatever_the_buffer() -> None:
+    """segment_key (whose namespace header is hashed once per namespace and copied) is
+    blake3(header + text) truncated to 16 bytes — the key the sidecar writes and every
+    reader and the cluster tier look up — for bytes and for a memoryview into a longer
+    buffer alike, in each namespace."""
+    from blake3 import blake3
+
+    from tokcache.store.keys import KEY_BYTES, MODE_EXACT, MODE_KV_STABLE, segment_key
+
+    body = "<|im_start|>assistant\nDone: 3 files changed. 你好 🛠\n".encode()
+    for salt in ("", "tenant-a", "é"):
+        for mode in (MODE_KV_STABLE, MODE_EXACT):
+            salt_b = salt.encode()
+            header = b"tokcache/v1\x00S" + mode + len(salt_b).to_bytes(4, "little") + salt_b
+            for p in (0, 22):
+                want = blake3(header + body[p:]).digest(KEY_BYTES)
+                assert segment_key(salt, mode, body[p:]) == want
+                assert segment_key(salt, mode, memoryview(body)[p:]) == want
+    assert segment_key("", MODE_KV_STABLE, body) != segment_key("x", MODE_KV_STABLE, body)
