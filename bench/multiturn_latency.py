@@ -18,7 +18,8 @@ text at the last turn) and, turn by turn, has every contender tokenize the same 
                       recorded (``RecordOutput``, untimed) before the next turn, so reads
                       splice recorded outputs (kv-stable with AR entries: the Python path, as
                       the native fast path steps aside once the segment holds any);
-                      ``--no-ar`` skips it
+                      ``--ar`` adds it (off by default: its sidecar's work and its client's
+                      writer thread in this process move the other contenders' figures)
 - ``tokcache-rpc``    the same over gRPC on a unix socket (``zero_rpc=False``: its
                       ``TokenizeStream``); ``--rpc-devices`` adds ``tokcache-rpc-unary``, the
                       same with the stream switched off (unary ``Tokenize`` calls)
@@ -159,7 +160,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--rpc-devices", action="store_true",
                     help="also run tokcache-rpc over the unary Tokenize (what the TokenizeStream saves)")
     ap.add_argument("--no-rpc", action="store_true", help="skip the tokcache RPC contenders")
-    ap.add_argument("--no-ar", action="store_true", help="skip tokcache-ar (outputs recorded between turns)")
+    ap.add_argument("--ar", action="store_true",
+                    help="also run tokcache-ar: each turn's output recorded before the next (vLLM's plugin path)")
     ap.add_argument("--heads-device", action="store_true",
                     help="also run tokcache-no-heads: the in-process read with its heads off (what heads save)")
     ap.add_argument("--long", action="store_true",
@@ -197,7 +199,7 @@ def build_contenders(
     if not args.no_tokcache:
         tc = TokcacheContender(tok_dir, args.out_dir, add)
         entries.append(Entry(tc))
-        if not args.no_ar:
+        if args.ar:
             entries.append(Entry(TokcacheContender(tok_dir, args.out_dir, add, record_outputs=True)))
         if args.heads_device:
             entries.append(Entry(TokcacheContender(tok_dir, args.out_dir, add, heads=False, name="tokcache-no-heads")))

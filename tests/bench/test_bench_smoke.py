@@ -28,7 +28,7 @@ def _sidecar_missing() -> str | None:
 @pytest.mark.skipif(_sidecar_missing() is not None, reason=str(_sidecar_missing()))
 def test_quick_run_checks_every_contender(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--no-smg", "--out-dir", str(tmp_path)],
+        [sys.executable, str(SCRIPT), "--quick", "--no-smg", "--ar", "--out-dir", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -39,7 +39,7 @@ def test_quick_run_checks_every_contender(tmp_path: Path) -> None:
     turns = result["config"]["turns"]
     assert result["config"]["conversations"] == 1 and turns == 10
     contenders = result["contenders"]
-    for name in (*IN_PROCESS, "tokcache", "tokcache-rpc"):
+    for name in (*IN_PROCESS, "tokcache", "tokcache-ar", "tokcache-rpc"):
         c = contenders[name]
         assert c["status"] == "ok", c["reason"]
         assert c["ids_checked"] and c["checked_calls"] == turns and c["mismatches"] == 0, name
@@ -49,6 +49,11 @@ def test_quick_run_checks_every_contender(tmp_path: Path) -> None:
     # The default client answered every turn in its own process; the RPC contender over gRPC.
     assert {s["served_by"] for s in contenders["tokcache"]["samples"]} == {"local"}
     assert {s["served_by"] for s in contenders["tokcache-rpc"]["samples"]} == {"sidecar"}
+    # tokcache-ar recorded each turn's output before the next: its reads took them (AR), with
+    # the same ids as the reference (outputs are recorded as their canonical encoding).
+    ar_turns = [s for s in contenders["tokcache-ar"]["samples"] if s["turn"] >= 2]
+    assert sum(s["source"] == "ar" for s in ar_turns) >= len(ar_turns) // 2, ar_turns
+    assert not any(s["source"] == "ar" for s in contenders["tokcache"]["samples"])
     assert result["mismatches"] == [] and result["exit_code"] == 0
     assert result["tokcache"]["l1_hit_share_turns_ge2"] is not None
     assert (tmp_path / "multiturn_latency.png").stat().st_size > 0
