@@ -325,7 +325,8 @@ class TokcacheContender(Contender):
         # plugin does, so kv-stable reads take recorded outputs (AR) into account: see prepare.
         self._record = record_outputs
         self._prev: tuple[str, list[int]] | None = None
-        self._ref: Any = None
+        self._ref: Any = None  # the reference tokenizer and a pattern of its special tokens (made once)
+        self._added: Any = None
         if record_outputs:
             self.name, self.label = name or "tokcache-ar", "tokcache, outputs recorded (what vLLM's plugin does)"
         elif zero_rpc:

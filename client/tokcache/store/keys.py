@@ -113,8 +113,7 @@ def segment_key(salt: str, mode: bytes, text: bytes | memoryview) -> bytes:
 @functools.lru_cache(maxsize=256)
 def _segment_root(salt: str, mode: bytes) -> Any:  # noqa: ANN401 - blake3's hasher type is untyped
     """A hasher fed segment_key's namespace header: copy it, never update it."""
-    salt_b = salt.encode("utf-8")
-    return blake3(b"tokcache/v1\x00S" + mode + len(salt_b).to_bytes(4, "little") + salt_b)
+    return blake3(b"tokcache/v1\x00S" + namespace(salt, mode))
 
 
 # Which cuts carry an L1 key: the first cut, and the first cut ending in each KEY_GRID-byte
