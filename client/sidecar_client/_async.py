@@ -114,6 +114,11 @@ class AsyncSidecarClient:
             return True
         return await asyncio.to_thread(self.local.flush, timeout)
 
+    async def _flush_for(self, records: list[tuple[str, str, str]]) -> None:
+        """Before RecordOutput(s): store the prompts' entries (see LocalPaths.flush)."""
+        if self.local is not None and not self.local.settled(records):
+            await asyncio.to_thread(self.local.flush, self.timeout, records)
+
     async def tokenize(self, model: str, *, text: str | None = None,
                        messages: Sequence[Mapping[str, Any]] | None = None,
                        tools: Sequence[Mapping[str, Any]] | None = None, add_generation_prompt: bool = False,
@@ -179,7 +184,8 @@ class AsyncSidecarClient:
         :class:`~sidecar_client.errors.InvalidArgumentError` with the reason.
         """
         _core.check_timeout(timeout)
-        await self.flush(self.timeout)  # the record chains to the prompt's entries: store them first
+        # The record chains to the prompt's entries: store them first.
+        await self._flush_for([(model, prompt_text, cache_salt or "")])
         req = _core.build_record(model, prompt_text=prompt_text, prompt_token_ids=prompt_token_ids,
                                  output_text=output_text, output_token_ids=output_token_ids,
                                  finish_reason=finish_reason, stop_reason=stop_reason, cache_salt=cache_salt,
@@ -197,7 +203,8 @@ class AsyncSidecarClient:
         """
         _core.check_timeout(timeout)
         reqs = _core.build_records(model, records)
-        await self.flush(self.timeout)  # records chain to their prompts' entries: store them first
+        # Records chain to their prompts' entries: store them first.
+        await self._flush_for([(model, r.prompt_text, r.cache_salt) for r in reqs])
         resp = await self._call(self._stub.RecordOutputs, iter(reqs), timeout, tuple(metadata or ()))
         return RecordSummary(recorded=resp.recorded, refused=resp.refused,
                              refusals=[(r.index, r.reason) for r in resp.refusals])

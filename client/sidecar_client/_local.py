@@ -29,7 +29,7 @@ import logging
 import math
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -82,6 +82,14 @@ MIN_WRITE_BYTES = 16384
 # (Lookup._extend) instead of missing through the Python one (57 KB chats, turns 2-10: 509 µs
 # p50 at 16384 for every read, 408 with 4096).
 MIN_FIRST_WRITE_BYTES = 4096
+# A kv-stable write skipped for its size is kept (the last this many, per model) until its
+# text's output is recorded: a RecordOutput chains the output's record to its prompt's, so the
+# prompt is stored then anyway — by this process (LocalModel.store_for_record), whose memo then
+# holds the chain its next turn's native lookup needs, rather than by the sidecar, which would
+# tokenize the prompt again to store it. (57 KB chats with every output recorded: the native
+# path served 113 of 320 reads when the sidecar stored the prompts, as its records' chains were
+# not this process's.)
+KEPT_FOR_RECORD = 64
 # The background thread builds heads (tokcache.engine.heads), and settles reads' bookkeeping
 # (Settler), once no request offered one for this long. While requests keep coming (a look
 # finds the last one younger than that), it looks twice as late each time, up to a tick:
@@ -117,6 +125,7 @@ class LocalStats:
       (sent to the sidecar to store), dropped (queue full), failed (store or RPC error),
       skipped (the uncached tail was under ``min_write_bytes``, or MIN_FIRST_WRITE_BYTES when
       nothing was cached: another process's next turn encodes it again, this one's does not)
+      and for_record (one of those stored after all, when an output was recorded for its text)
     """
 
     tokenize: Counter[str] = field(default_factory=Counter)
@@ -284,6 +293,10 @@ class WriteBehind:
     def skip(self) -> None:
         """Count a write not offered (its tail was short: see LocalModel._hand_off)."""
         self._stats.writes["skipped"] += 1
+
+    def stats_kept(self) -> None:
+        """Count a skipped write offered after all, for an output recorded for its text."""
+        self._stats.writes["for_record"] += 1
 
     def flush(self, timeout: float | None = None) -> bool:
         """Store every write offered so far (in this thread, where the background thread
@@ -484,6 +497,9 @@ class LocalModel:
         self.settler = Settler(self.lookup.settle, self._hand_off)
         writer.attach(self.settler)
         self._writable = writable
+        # (text, salt) -> kv-stable write skipped for its size, newest last (see KEPT_FOR_RECORD).
+        self._kept: OrderedDict[tuple[str, str], PendingWrite[Chunks]] = OrderedDict()
+        self._kept_lock = threading.Lock()
         self._manifest_raw = manifest_raw
         self._words = reader._words  # the header words: W_RETIRED is checked on every request
         self._checked = time.monotonic()
@@ -584,6 +600,21 @@ class LocalModel:
             self.writer.poke()
         return result
 
+    def keeps(self, prompt_text: str, salt: str) -> bool:
+        """Whether the write of ``prompt_text`` is kept for its record (see KEPT_FOR_RECORD)."""
+        return (prompt_text, salt) in self._kept
+
+    def store_for_record(self, prompt_text: str, salt: str) -> None:
+        """Queue the write of ``prompt_text`` that was skipped for its size (see KEPT_FOR_RECORD),
+        if kept: an output recorded for it chains to its entries. Reads not settled yet are
+        settled first (this prompt's may be among them). Never raises."""
+        if self.settler.pending:
+            self.settler.run()
+        with self._kept_lock:
+            write = self._kept.pop((prompt_text, salt), None)
+        if write is not None and self.writer.offer(write, prompt_text, salt, "kv-stable"):
+            self.writer.stats_kept()
+
     def mark(self, prompt_text: str, output_text: str, salt: str, expiry: int) -> bool:
         """Mark the record of ``output_text`` after ``prompt_text`` as on its way until ``expiry``
         (Unix seconds; 1 withdraws the mark). False when this process cannot write the
@@ -606,6 +637,12 @@ class LocalModel:
                 self.writer.offer(write, text, salt, mode)
             else:
                 self.writer.skip()
+                if mode == "kv-stable":
+                    with self._kept_lock:
+                        self._kept[(text, salt)] = write
+                        self._kept.move_to_end((text, salt))
+                        if len(self._kept) > KEPT_FOR_RECORD:
+                            self._kept.popitem(last=False)
         if ready is not None and self.lookup.heads.offer(ready):
             self.writer.poke()
 
@@ -800,11 +837,24 @@ class LocalPaths:
 
     @property
     def idle(self) -> bool:
-        """True when no write is pending (a flush would return at once)."""
+        """True when no write is pending (a flush without ``records`` would return at once)."""
         return all(local.writer.idle for local in list(self._models.values()))
 
-    def flush(self, timeout: float | None = None) -> bool:
-        """Wait for every model's pending writes (before a RecordOutput that chains to them)."""
+    def settled(self, records: Sequence[tuple[str, str, str]] = ()) -> bool:
+        """True when a flush with ``records`` would return at once (nothing pending, no kept
+        write of those prompts)."""
+        return self.idle and not any(
+            local is not None and local.keeps(prompt_text, salt)
+            for model, prompt_text, salt in records for local in (self._models.get(model),))
+
+    def flush(self, timeout: float | None = None, records: Sequence[tuple[str, str, str]] = ()) -> bool:
+        """Wait for every model's pending writes (before a RecordOutput that chains to them);
+        ``records`` (model, prompt text, salt): first queue the prompts' writes skipped for
+        their size (LocalModel.store_for_record)."""
+        for model, prompt_text, salt in records:
+            local = self._models.get(model)
+            if local is not None:
+                local.store_for_record(prompt_text, salt)
         ok = True
         for local in list(self._models.values()):
             ok = local.writer.flush(timeout) and ok

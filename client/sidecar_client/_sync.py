@@ -110,6 +110,11 @@ class SidecarClient:
         """Wait until what in-process reads learned is stored (False on timeout)."""
         return self._local.flush(timeout) if self._local is not None else True
 
+    def _flush_for(self, records: list[tuple[str, str, str]]) -> None:
+        """Before RecordOutput(s): store the prompts' entries (see LocalPaths.flush)."""
+        if self._local is not None:
+            self._local.flush(self.timeout, records)
+
     def tokenize(self, model: str, *, text: str | None = None,
                  messages: Sequence[Mapping[str, Any]] | None = None,
                  tools: Sequence[Mapping[str, Any]] | None = None, add_generation_prompt: bool = False,
@@ -170,7 +175,8 @@ class SidecarClient:
         :class:`~sidecar_client.errors.InvalidArgumentError` with the reason.
         """
         _core.check_timeout(timeout)
-        self.flush(self.timeout)  # the record chains to the prompt's entries: store them first
+        # The record chains to the prompt's entries: store them first.
+        self._flush_for([(model, prompt_text, cache_salt or "")])
         req = _core.build_record(model, prompt_text=prompt_text, prompt_token_ids=prompt_token_ids,
                                  output_text=output_text, output_token_ids=output_token_ids,
                                  finish_reason=finish_reason, stop_reason=stop_reason, cache_salt=cache_salt,
@@ -187,7 +193,8 @@ class SidecarClient:
         """
         _core.check_timeout(timeout)
         reqs = _core.build_records(model, records)
-        self.flush(self.timeout)  # records chain to their prompts' entries: store them first
+        # Records chain to their prompts' entries: store them first.
+        self._flush_for([(model, r.prompt_text, r.cache_salt) for r in reqs])
         resp = self._call(self._stub.RecordOutputs, iter(reqs), timeout)
         return RecordSummary(recorded=resp.recorded, refused=resp.refused,
                              refusals=[(r.index, r.reason) for r in resp.refusals])

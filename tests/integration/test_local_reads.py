@@ -851,3 +851,57 @@ def test_the_plugin_marks_a_record_its_response_could_not_wait_for_and_another_a
         await b.link.close()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("batch", [False, True], ids=["record_output", "record_outputs"])
+def test_a_recorded_prompt_is_stored_by_its_reader_and_its_next_turn_takes_the_native_path(
+        sidecar: tuple[SidecarProcess, int], qwen3_path: Path, monkeypatch: pytest.MonkeyPatch, batch: bool) -> None:
+    """A turn's write skipped for its size (min_write_bytes) is kept until its output is recorded:
+    the RecordOutput chains to the prompt's entries, so the reader stores them then (counted as
+    ``for_record``) rather than the sidecar tokenizing the prompt again; the reader then holds
+    the chain its next turn hits, and that turn is served by the native path (``extend``) with
+    the recorded output's ids (a prefix AR hit), every turn extending prompt + output exactly."""
+    from tokcache.engine import lookup as lookup_mod
+
+    if lookup_mod._native is None:
+        pytest.skip("the native extension is not built")
+    proc, _ = sidecar
+    ref = tokenizers.Tokenizer.from_file(str(qwen3_path / "tokenizer.json"))
+    native = lookup_mod._native
+    served_ar = []
+
+    class Counting:
+        def extend(self, *args: Any) -> Any:
+            got = native.extend(*args)
+            served_ar.append(got is not None and got[-1] >= 0)
+            return got
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(native, name)
+
+    monkeypatch.setattr(lookup_mod, "_native", Counting())
+    with SidecarClient(proc.address) as c:
+        c.tokenize("qwen3", text="warm up")
+        text = "<|im_start|>system\nYou are terse.<|im_end|>\n" + TURN.format(q="count, slowly")
+        prev: list[int] = []
+        sources = []
+        for k in range(6):
+            r = c.tokenize("qwen3", text=text, add_special_tokens=False)
+            assert r.served_by == "local"
+            assert r.token_ids[:len(prev)] == prev, k  # this turn extends the last prompt + its output
+            sources.append(r.decision.source)
+            output = f"{k}, {k + 1},  {k + 2}.\n\nAnd — {k * 11} more!"
+            out_ids = _generated(ref, output) + ref.encode("<|im_end|>", add_special_tokens=False).ids
+            record = {"prompt_text": text, "prompt_token_ids": r.token_ids, "output_text": output,
+                      "output_token_ids": out_ids}
+            if batch:
+                assert c.record_outputs("qwen3", [record]).recorded == 1
+            else:
+                assert c.record_output("qwen3", **record).recorded_tokens > 0
+            prev = r.token_ids + out_ids
+            text += output + "<|im_end|>\n" + TURN.format(q=f"and then {k}?")
+        writes = c.stats()["writes"]
+    assert sources[1:] == ["ar"] * 5, sources
+    # Every prompt was short (skipped), and stored for its record by this process.
+    assert writes.get("for_record") == 6 and writes.get("stored", 0) >= 6, writes
+    assert sum(served_ar) >= 4, served_ar  # the native path served the turns after the first ones

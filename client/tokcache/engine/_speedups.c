@@ -273,7 +273,7 @@ static PyTypeObject MatcherType = {
 /* both on the same histories and compare.                                            */
 
 static PyObject *s_text, *s_data, *s_spans, *s_stable, *s_tail_from, *s_kept_end, *s_hashers, *s_copy, *s_update,
-    *s_digest, *i_16, *b_l0_suffix;
+    *s_digest, *i_16, *b_l0_suffix, *b_ar_suffix;
 
 #include "_index.h"
 
@@ -335,20 +335,24 @@ static int attr_ssize(PyObject *o, PyObject *name, Py_ssize_t *out) {
 }
 
 PyDoc_STRVAR(extend_doc,
-"extend(text, recent, ns, ctx, tail, now) -> tuple | None\n\n"
+"extend(text, recent, ns, ctx, tail, now, ar) -> tuple | None\n\n"
 "Lookup._tokenize's scan, keys and hit for ``text`` when it extends one of ``recent`` (the\n"
 "scan memo's latest Scans, newest first) that holds a KeyState for ``ns``, no L0 entry and\n"
 "no gallop applies, and the winning keyed cut's chain is held (``held_key``). ``ctx`` is\n"
 "(matcher, maxlen, grid, tail_probes, index_buffer, index_off, n_buckets, held_key,\n"
 "max_text_bytes). Returns (base, data, spans, tail, tail_from, kept_end, stable, keyed, keys,\n"
-"state_hasher, state_cut, exact_key, pos, key, container, tokens, tail_chars), or None: serve it in\n"
-"Python.");
+"state_hasher, state_cut, exact_key, pos, key, container, tokens, tail_chars, ar_keys, ar_at), or None:\n"
+"serve it in Python. With ``ar`` (recorded outputs may apply) the AR keys of the boundaries past\n"
+"the hit are made (``ar_keys``: by cut index, None elsewhere) and ``ar_at`` is the highest of them\n"
+"that is live (-1: none), for the caller to read; without, ``ar_keys`` is None and ``ar_at`` -1.");
 
 static PyObject *py_extend(PyObject *self, PyObject *args) {
     PyObject *text, *recent, *ns, *ctx;
     unsigned long long tail;
     double now;
-    if (!PyArg_ParseTuple(args, "UO!OO!Kd", &text, &PyList_Type, &recent, &ns, &PyTuple_Type, &ctx, &tail, &now))
+    int want_ar;
+    if (!PyArg_ParseTuple(args, "UO!OO!Kdp", &text, &PyList_Type, &recent, &ns, &PyTuple_Type, &ctx, &tail, &now,
+                          &want_ar))
         return NULL;
     Matcher *matcher;
     Py_ssize_t maxlen, grid, tail_probes, index_off, max_text_bytes;
@@ -360,7 +364,8 @@ static PyObject *py_extend(PyObject *self, PyObject *args) {
 
     PyObject *result = NULL, *snapshot = NULL, *base = NULL, *old = NULL, *hashers = NULL, *sub = NULL,
              *added = NULL, *base_data = NULL, *data = NULL, *base_spans = NULL, *spans = NULL, *tail_list = NULL,
-             *keyed = NULL, *keys = NULL, *h = NULL, *state = NULL, *exact = NULL, *held = NULL;
+             *keyed = NULL, *keys = NULL, *h = NULL, *state = NULL, *exact = NULL, *held = NULL, *st = NULL,
+             *ar_keys = NULL, *ah = NULL;
     Py_buffer view;
     int have_view = 0;
 
@@ -388,17 +393,19 @@ static PyObject *py_extend(PyObject *self, PyObject *args) {
     hashers = PyObject_GetAttr(base, s_hashers);
     if (!hashers) goto fail;
     if (!PyDict_Check(hashers)) goto none;
-    PyObject *st = PyDict_GetItemWithError(hashers, ns); /* borrowed */
+    st = PyDict_GetItemWithError(hashers, ns);
     if (!st) {
         if (PyErr_Occurred()) goto fail;
         goto none;
     }
+    Py_INCREF(st); /* held: another thread may file a new state meanwhile */
     if (!PyTuple_Check(st) || PyTuple_GET_SIZE(st) != 5 || !PyList_Check(PyTuple_GET_ITEM(st, 2)) ||
         !PyList_Check(PyTuple_GET_ITEM(st, 4)))
         goto none;
     Py_ssize_t r_cut;
     if (as_ssize(PyTuple_GET_ITEM(st, 0), &r_cut) < 0) goto fail;
-    PyObject *r_hasher = PyTuple_GET_ITEM(st, 1), *r_l1 = PyTuple_GET_ITEM(st, 2), *r_keyed = PyTuple_GET_ITEM(st, 4);
+    PyObject *r_hasher = PyTuple_GET_ITEM(st, 1), *r_l1 = PyTuple_GET_ITEM(st, 2), *r_ar = PyTuple_GET_ITEM(st, 3),
+             *r_keyed = PyTuple_GET_ITEM(st, 4);
 
     /* 3. The text as UTF-8: the base's bytes, then the appended part's. A lone surrogate is
      * the Python path's to report (with its index in the whole text). */
@@ -565,13 +572,69 @@ static PyObject *py_extend(PyObject *self, PyObject *args) {
         if (as_ssize(PyList_GET_ITEM(keyed, pos), &ci) < 0 || span_at(spans, ci, &si, &hit_start) < 0) goto fail;
         tail_chars = utf8_chars((const unsigned char *)PyBytes_AS_STRING(data) + hit_start, total - hit_start);
     }
+    /* 10. Recorded outputs (``ar``): Lookup._find_hit's AR search past the hit. The AR key of
+     * boundary i covers data[:spans[i][0]]; those up to the base's state cut are the base's
+     * (none missing, else the Python path makes them), the others are hashed on from its
+     * state. The highest live one is the candidate; its chain is the caller's to read. */
+    Py_ssize_t ar_at = -1;
+    if (want_ar) {
+        Py_ssize_t j;
+        if (as_ssize(PyList_GET_ITEM(keyed, pos), &j) < 0) goto fail;
+        if (!PyList_Check(r_ar)) goto none;
+        ar_keys = PyList_New(n);
+        if (!ar_keys) goto fail;
+        for (Py_ssize_t i = 0; i < n; i++) PyList_SET_ITEM(ar_keys, i, Py_NewRef(Py_None));
+        Py_ssize_t i = j + 1;
+        for (; i < n && i <= r_cut; i++) {
+            if (i >= PyList_GET_SIZE(r_ar)) goto none;
+            PyObject *k = PyList_GET_ITEM(r_ar, i);
+            if (!PyBytes_Check(k) || PyBytes_GET_SIZE(k) != TK_KEY_SIZE) goto none;
+            PyList_SetItem(ar_keys, i, Py_NewRef(k));
+        }
+        if (i < n) {
+            ah = PyObject_CallMethodNoArgs(r_hasher, s_copy);
+            if (!ah) goto fail;
+            Py_ssize_t from = r_off;
+            for (; i < n; i++) {
+                Py_ssize_t si, ei;
+                if (span_at(spans, i, &si, &ei) < 0 || feed(ah, data, from, si) < 0) goto fail;
+                if (si > from) from = si;
+                PyObject *a = PyObject_CallMethodNoArgs(ah, s_copy);
+                if (!a) goto fail;
+                PyObject *u = PyObject_CallMethodOneArg(a, s_update, b_ar_suffix);
+                PyObject *k = u ? PyObject_CallMethodOneArg(a, s_digest, i_16) : NULL;
+                Py_XDECREF(u);
+                Py_DECREF(a);
+                if (!k) goto fail;
+                PyList_SetItem(ar_keys, i, k); /* steals k */
+            }
+        }
+        if (PyObject_GetBuffer(index_obj, &view, PyBUF_SIMPLE) < 0) goto fail;
+        have_view = 1;
+        if ((uint64_t)view.len < (uint64_t)index_off + n_buckets * TK_BUCKET_SIZE) {
+            PyErr_SetString(PyExc_ValueError, "the index does not fit the buffer");
+            goto fail;
+        }
+        const unsigned char *ar_index = (const unsigned char *)view.buf + index_off;
+        for (Py_ssize_t r = n - 1; r > j; r--) {
+            PyObject *k = PyList_GET_ITEM(ar_keys, r);
+            int64_t sl = tk_find_slot(ar_index, n_buckets, (const unsigned char *)PyBytes_AS_STRING(k));
+            if (sl >= 0 && tk_slot_live(ar_index + sl, now, tail)) {
+                ar_at = r;
+                break;
+            }
+        }
+        PyBuffer_Release(&view);
+        have_view = 0;
+        PyObject_GC_UnTrack(ar_keys);
+    }
     /* Lists of ints, (int, int) tuples, bytes or None: in no cycle (see py_untrack). */
     PyObject_GC_UnTrack(spans);
     PyObject_GC_UnTrack(keyed);
     PyObject_GC_UnTrack(keys);
-    result = Py_BuildValue("(OOOOnnnOOOnOnOOOn)", base, data, spans, tail_list, tail_from, kept_end, stable, keyed,
+    result = Py_BuildValue("(OOOOnnnOOOnOnOOOnOn)", base, data, spans, tail_list, tail_from, kept_end, stable, keyed,
                            keys, state, last, exact, pos, key, PyTuple_GET_ITEM(held, 0), PyTuple_GET_ITEM(held, 1),
-                           tail_chars);
+                           tail_chars, ar_keys ? ar_keys : Py_None, ar_at);
     goto done;
 none:
     result = Py_NewRef(Py_None);
@@ -597,6 +660,9 @@ done:
     Py_XDECREF(state);
     Py_XDECREF(exact);
     Py_XDECREF(held);
+    Py_XDECREF(st);
+    Py_XDECREF(ar_keys);
+    Py_XDECREF(ah);
     return result;
 }
 
@@ -745,11 +811,13 @@ PyMODINIT_FUNC PyInit__speedups(void) {
     INTERN(s_update, "update");
     INTERN(s_digest, "digest");
 #undef INTERN
-    if (!(i_16 = PyLong_FromLong(16)) || !(b_l0_suffix = PyBytes_FromStringAndSize("\xffL0", 3))) return NULL;
+    if (!(i_16 = PyLong_FromLong(16)) || !(b_l0_suffix = PyBytes_FromStringAndSize("\xffL0", 3)) ||
+        !(b_ar_suffix = PyBytes_FromStringAndSize("\xff" "AR", 3)))
+        return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
     Py_INCREF(&MatcherType);
-    if (PyModule_AddIntConstant(m, "API", 5) < 0 || PyModule_AddObject(m, "Matcher", (PyObject *)&MatcherType) < 0) {
+    if (PyModule_AddIntConstant(m, "API", 6) < 0 || PyModule_AddObject(m, "Matcher", (PyObject *)&MatcherType) < 0) {
         Py_DECREF(&MatcherType);
         Py_DECREF(m);
         return NULL;

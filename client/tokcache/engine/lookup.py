@@ -359,7 +359,7 @@ class Later(Generic[Ids]):
 
     scan: Scan
     keys: TextKeys | None  # None: made from native_keys
-    native_keys: tuple[Any, ...] | None  # (salt, tag, keyed, keys, exact, state cut, state hasher)
+    native_keys: tuple[Any, ...] | None  # (salt, tag, keyed, keys, exact, state cut, state hasher, AR keys)
     store: CacheView | None
     ar: bool
     hit: _Hit[Ids]
@@ -526,13 +526,13 @@ class Lookup(Generic[Ids, Out]):
         keys = later.keys
         if keys is None:
             assert later.native_keys is not None
-            salt, tag, keyed, keys_list, exact, state_cut, state_hasher = later.native_keys
+            salt, tag, keyed, keys_list, exact, state_cut, state_hasher, ar_keys = later.native_keys
             self.model.scanner.keep(scan)
             ns = (salt, tag)
             base = scan.base
             keys = TextKeys.from_state(scan.data, scan.spans, salt, tag, keyed, keys_list, exact, state_cut,
                                        state_hasher, base.hashers.get(ns) if base is not None else None,
-                                       grid=self.model.key_grid)
+                                       grid=self.model.key_grid, ar_keys=ar_keys)
             scan.hashers[ns] = keys.state()
         if tail.canonical:
             self._remember(scan, keys.keyed, tail, hit.start)
@@ -559,9 +559,11 @@ class Lookup(Generic[Ids, Out]):
     def _extend(self, text: str, *, add_special_tokens: bool, salt: str, mode: str,
                 tier: bool) -> Result[Ids, Out] | None:
         """The native fast path (``_speedups.extend``) of :meth:`tokenize` for the common case:
-        ``text`` extends one this process tokenized, no recorded output can apply (no AR in
-        the segment and no mark of one on its way, or exact mode), and the hit is a keyed cut in the window whose chain
-        this process holds. None: :meth:`tokenize` serves it from the start.
+        ``text`` extends one this process tokenized, no mark says a recorded output is on its
+        way, and the L1 hit is a keyed cut in the window whose chain this process holds. When
+        recorded outputs may apply (kv-stable, AR in the segment) the native call also makes
+        the AR keys past that cut and finds the highest live one, whose chain is read here as
+        the Python path reads it. None: :meth:`tokenize` serves it from the start.
 
         The same decision as the Python path, by construction (the same keys, probes and
         window) and by test (both run on the same histories).
@@ -572,8 +574,9 @@ class Lookup(Generic[Ids, Out]):
             return None
         t0 = time.perf_counter_ns()
         try:
-            if tag == MODE_KV_STABLE and (store.holds_ar() or store.marks()):
+            if tag == MODE_KV_STABLE and store.marks():  # (the Python path waits for what a mark announces)
                 return None
+            ar = tag == MODE_KV_STABLE and store.holds_ar()
             ctx = self._fast_ctx
             if ctx is None or ctx[0] is not store:
                 region: tuple[Any, int, int] | None = store.native_region()
@@ -585,21 +588,27 @@ class Lookup(Generic[Ids, Out]):
                         n_buckets, self.memo.held_key, self.limits.max_text_bytes)
                 ctx = self._fast_ctx = (store, args)
             ns = (salt, tag)
-            got = _native.extend(text, self.model.scanner.recent, ns, ctx[1], store.tail(), time.time())
+            got = _native.extend(text, self.model.scanner.recent, ns, ctx[1], store.tail(), time.time(), ar)
+            if got is None:
+                return None
+            (base, data, spans, tail, tail_from, kept_end, stable, keyed, keys_list, state_hasher, state_cut, exact,
+             pos, key, held, tokens, tail_chars, ar_keys, ar_at) = got
+            j = keyed[pos]
+            hit: _Hit[Ids] = _Hit(held, tokens, spans[j][1], key, j + 1)
+            decision = Decision(source="l1", boundaries=len(spans), l1_disabled_reason=self.model.l1_disabled_reason,
+                                l0_hit=False, l1_hit=True)
+            if ar:
+                decision.ar_prefix_hit = False
+                if ar_at >= 0:
+                    hit = self._ar_hit(store, ar_keys, j, ar_at, spans, hit, decision)
+                    if decision.source == "ar":
+                        tail_chars = None  # counted from the L1 cut: the tail is decoded instead
         except StoreError:
             return None
-        if got is None:
-            return None
-        (base, data, spans, tail, tail_from, kept_end, stable, keyed, keys_list, state_hasher, state_cut, exact,
-         pos, key, held, tokens, tail_chars) = got
         # Filed for the next turn, and its keys made, in settle (after the reply).
         scan = Scan(data, spans, tail, tail_from, kept_end, len(base.data), text, base=base, stable=stable)
-        decision = Decision(source="l1", boundaries=len(spans), l1_disabled_reason=self.model.l1_disabled_reason,
-                            l0_hit=False, l1_hit=True)
-        j = keyed[pos]
-        hit: _Hit[Ids] = _Hit(held, tokens, spans[j][1], key, j + 1)
-        return self._serve(scan, None, store, False, hit, decision, len(text), add_special_tokens, salt, tag, False,
-                           t0, tail_chars, (salt, tag, keyed, keys_list, exact, state_cut, state_hasher))
+        return self._serve(scan, None, store, ar, hit, decision, len(text), add_special_tokens, salt, tag, False,
+                           t0, tail_chars, (salt, tag, keyed, keys_list, exact, state_cut, state_hasher, ar_keys))
 
     def _canonical_tail(self, scan: Scan, keyed: list[int], tail_text: str | None, start: int,
                         head_at: int | None = None) -> _Tail[Out]:
@@ -706,22 +715,29 @@ class Lookup(Generic[Ids, Out]):
                 # starts: the highest such cut whose key is present and whose chain reads.
                 decision.ar_prefix_hit = False
                 keys.fill_ar(j + 1, n)
-                hi = n
-                while (i := store.last_present(keys.ar_keys, j + 1, hi)) >= 0:
-                    key = keys.ar_key(i)
-                    found = self._read(store, key)
-                    if found is not None:
-                        decision.ar_prefix_hit = True
-                        # Tokens gained over the L1 prefix: the recorded output (and the few
-                        # prompt tokens between the L1 cut and the output).
-                        decision.ar_spliced_tokens = found[1] - hit.tokens
-                        decision.source = "ar"
-                        return _Hit(found[0], found[1], spans[i][0], key, i)
-                    hi = i
+                hit = self._ar_hit(store, keys.ar_keys, j, store.last_present(keys.ar_keys, j + 1, n), spans, hit,
+                                   decision)
             return hit
         except StoreError:
             decision.store_errors += 1
             return _Hit(None, 0, 0, None, 0)
+
+    def _ar_hit(self, store: CacheView, ar_keys: list[bytes], j: int, i: int, spans: list[tuple[int, int]],
+                hit: _Hit[Ids], decision: Decision) -> _Hit[Ids]:
+        """The prefix AR hit past the L1 cut ``j`` (``hit``): from ``i``, the highest live AR key
+        (-1: none) down, the first whose chain reads; else ``hit``. Raises StoreError."""
+        while i >= 0:
+            key = ar_keys[i]
+            found = self._read(store, key)
+            if found is not None:
+                decision.ar_prefix_hit = True
+                # Tokens gained over the L1 prefix: the recorded output (and the few
+                # prompt tokens between the L1 cut and the output).
+                decision.ar_spliced_tokens = found[1] - hit.tokens
+                decision.source = "ar"
+                return _Hit(found[0], found[1], spans[i][0], key, i)
+            i = store.last_present(ar_keys, j + 1, i)
+        return hit
 
     @staticmethod
     def _pending(store: CacheView, keys: TextKeys, lo: int) -> bool:

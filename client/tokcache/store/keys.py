@@ -238,17 +238,19 @@ class TextKeys:
     @classmethod
     def from_state(cls, data: bytes, spans: list[tuple[int, int]], salt: str, mode: bytes, keyed: list[int],
                    keys: list[bytes | None], exact: bytes, cut: int, hasher: Any,  # noqa: ANN401
-                   resume: KeyState | None, *, grid: int = KEY_GRID) -> TextKeys:
+                   resume: KeyState | None, *, grid: int = KEY_GRID,
+                   ar_keys: list[bytes | None] | None = None) -> TextKeys:
         """The keys a caller computed already (the native fast path): ``keyed``, their keys by
-        position, the L0 key, and the hash state at ``cut`` (for :meth:`state`); ``resume`` is
-        the state they were computed from (lazy keys below use it). Nothing is hashed here."""
+        position, the L0 key, the hash state at ``cut`` (for :meth:`state`), and the AR keys by
+        cut index (None: none made); ``resume`` is the state they were computed from (lazy keys
+        below use it). Nothing is hashed here."""
         self = cls.__new__(cls)
         self._root = root_hasher(salt, mode)
         self._data = data
         self._spans = spans
         self._keyed = keyed
         self._keys = keys
-        self._ar_keys = [None] * len(spans)
+        self._ar_keys = ar_keys if ar_keys is not None else [None] * len(spans)
         self._exact = exact
         self._resume = resume
         self._marks = []

@@ -47,15 +47,16 @@ def _para(rng: random.Random, n: int) -> str:
 
 
 class _Counting:
-    """``_native`` with ``extend``'s served calls counted."""
+    """``_native`` with ``extend``'s served calls counted (``with_ar``: those that found a live AR key)."""
 
     def __init__(self, native: Any) -> None:
-        self._native, self.served, self.calls = native, 0, 0
+        self._native, self.served, self.calls, self.with_ar = native, 0, 0, 0
 
     def extend(self, *args: Any) -> Any:
         got = self._native.extend(*args)
         self.calls += 1
         self.served += got is not None
+        self.with_ar += got is not None and got[-1] >= 0
         return got
 
     def __getattr__(self, name: str) -> Any:
@@ -100,14 +101,18 @@ def _read_model(engine: ModelEngine) -> Iterator[ReadModel]:
 
 
 @pytest.mark.parametrize("defer", [False, True], ids=["settled", "deferred"])
-@pytest.mark.parametrize("mode,add,salt", [("exact", False, ""), ("exact", True, "t"), ("kv-stable", False, ""),
-                                           ("kv-stable", True, "tenant")])
+@pytest.mark.parametrize("mode,add,salt,record", [("exact", False, "", False), ("exact", True, "t", False),
+                                                  ("kv-stable", False, "", False), ("kv-stable", True, "tenant", False),
+                                                  ("kv-stable", False, "", True), ("kv-stable", False, "tenant", True)],
+                         ids=["exact", "exact-add-salt", "kv", "kv-add-salt", "kv-recorded", "kv-recorded-salt"])
 def test_native_and_python_paths_agree_along_long_chats(engine: ModelEngine, model: ReadModel, own_model: ReadModel,
-                                                        mode: str, add: bool, salt: str, defer: bool,
+                                                        mode: str, add: bool, salt: str, record: bool, defer: bool,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """``deferred``: the native side returns its bookkeeping (Result.later), which is settled
     after the caller got, and mutated, its list (as a client's write-behind does); it must make
-    the same write and head as settling at once."""
+    the same write and head as settling at once. ``recorded``: each answer is recorded (the
+    sidecar's RecordOutput, into the same segment) before the next turn, as vLLM's outputs
+    are, so the native path makes AR keys and the prefix AR hit decides."""
     store = Store.open(prefix=f"tkt-fast-{uuid.uuid4().hex[:8]}", fingerprint=engine.fingerprint, size=16 << 20,
                        id_bytes=3)
     reader = StoreReader.attach_name(store.name)
@@ -121,6 +126,10 @@ def test_native_and_python_paths_agree_along_long_chats(engine: ModelEngine, mod
         rng = random.Random(f"{engine.name}-{mode}-{add}")
         msgs: list[dict[str, Any]] = [{"role": "system", "content": _para(rng, 200)}]
         turns = 24
+        eos = {"qwen3": "<|im_end|>", "llama32": "<|eot_id|>"}[engine.name]
+        eos_id = engine.reference.encode(eos)
+        assert len(eos_id) == 1
+        recorded = ar_turns = 0
         for turn in range(turns):
             msgs.append({"role": "user", "content": _para(rng, rng.randint(20, 400))})
             text = engine.render(msgs, add_generation_prompt=True)
@@ -140,8 +149,9 @@ def test_native_and_python_paths_agree_along_long_chats(engine: ModelEngine, mod
             if got.ready is not None:  # after the reply, as the write-behind does
                 fast.heads.build(got.ready)
             assert want.ready is None or want.ready.tokens <= len(want.ids)
+            ar_turns += got.decision.source == "ar"
             for name in ("source", "cached_tokens", "cached_chars", "encoded_chars", "boundaries", "l0_hit",
-                         "l1_hit", "ar_spliced_tokens"):
+                         "l1_hit", "ar_prefix_hit", "ar_spliced_tokens", "segment_splices"):
                 assert getattr(got.decision, name) == getattr(want.decision, name), (turn, name)
             if mode == "exact":
                 full = engine.reference.encode_full(text) if add else engine.reference.encode(text)
@@ -159,13 +169,28 @@ def test_native_and_python_paths_agree_along_long_chats(engine: ModelEngine, mod
             got.ids.append(-1)  # the caller's own list: nothing the lookup keeps changes
             got.ids[0] = -2
             answer = _para(rng, rng.randint(5, 120))
+            if record:  # the answer as generated: its text up to the stop token, and its ids
+                after = engine.render([*msgs, {"role": "assistant", "content": answer},
+                                       {"role": "user", "content": "x"}], add_generation_prompt=True)
+                if after.startswith(text) and eos in after[len(text):]:
+                    out = after[len(text):].split(eos)[0]
+                    engine.store = store
+                    try:
+                        engine.record_output(prompt_text=text, prompt_ids=list(want.ids), output_text=out,
+                                             output_ids=engine.reference.encode(out) + eos_id, salt=salt)
+                    finally:
+                        engine.store = None
+                    recorded += 1
             if turn % 7 == 6:  # a rewritten history: the next text extends none of the latest
                 msgs[1]["content"] += " (edited)"
             msgs.append({"role": "assistant", "content": answer})
         # The native path served the steady state, not a turn or two; so did heads, where
         # the caller's list has no prefix token before them.
         assert counting.served >= turns // 2, (counting.served, counting.calls)
-        if not (add and model.affixes.prefix):
+        if record:  # recorded outputs decided most turns, on both sides
+            assert recorded >= turns - 2 and ar_turns >= turns // 2, (recorded, ar_turns)
+            assert counting.with_ar >= turns // 3, (counting.with_ar, counting.served)
+        elif not (add and model.affixes.prefix):
             assert fast.heads.used >= turns // 3, (fast.heads.built, fast.heads.used)
         assert ref.heads.used == 0
     finally:
