@@ -126,6 +126,8 @@ class LocalStats:
       skipped (the uncached tail was under ``min_write_bytes``, or MIN_FIRST_WRITE_BYTES when
       nothing was cached: another process's next turn encodes it again, this one's does not)
       and for_record (one of those stored after all, when an output was recorded for its text)
+      and records_held (not a write: an output the sidecar recorded whose chain this process then
+      read, between turns, for the turn that continues it)
     """
 
     tokenize: Counter[str] = field(default_factory=Counter)
@@ -615,6 +617,17 @@ class LocalModel:
         if write is not None and self.writer.offer(write, prompt_text, salt, "kv-stable"):
             self.writer.stats_kept()
 
+    def hold_record(self, prompt_text: str, output_text: str, salt: str) -> bool:
+        """After the sidecar stored the record of ``output_text`` after ``prompt_text``: read
+        its chain into this process's memo now, between turns, so the turn that continues it
+        (a prefix AR hit) finds it held instead of walking it inside its request. False when
+        it is not there (refused, evicted). Never raises."""
+        try:
+            return self.lookup.hold(output_key(prompt_text, output_text, salt=salt), head=True)
+        except (StoreError, UnicodeEncodeError, ValueError) as exc:
+            log.debug("tokcache: could not read a recorded output's chain: %r", exc)
+            return False
+
     def mark(self, prompt_text: str, output_text: str, salt: str, expiry: int) -> bool:
         """Mark the record of ``output_text`` after ``prompt_text`` as on its way until ``expiry``
         (Unix seconds; 1 withdraws the mark). False when this process cannot write the
@@ -839,6 +852,16 @@ class LocalPaths:
     def idle(self) -> bool:
         """True when no write is pending (a flush without ``records`` would return at once)."""
         return all(local.writer.idle for local in list(self._models.values()))
+
+    def hold_records(self, model: str, records: Sequence[tuple[str, str, str]]) -> int:
+        """:meth:`LocalModel.hold_record` of each (prompt text, output text, salt) the sidecar
+        stored for ``model``; how many were read. Never raises."""
+        local = self._models.get(model)
+        if local is None or local.stale:
+            return 0
+        held = sum(local.hold_record(prompt, output, salt) for prompt, output, salt in records)
+        self.stats.writes["records_held"] += held
+        return held
 
     def settled(self, records: Sequence[tuple[str, str, str]] = ()) -> bool:
         """True when a flush with ``records`` would return at once (nothing pending, no kept

@@ -860,7 +860,9 @@ def test_a_recorded_prompt_is_stored_by_its_reader_and_its_next_turn_takes_the_n
     the RecordOutput chains to the prompt's entries, so the reader stores them then (counted as
     ``for_record``) rather than the sidecar tokenizing the prompt again; the reader then holds
     the chain its next turn hits, and that turn is served by the native path (``extend``) with
-    the recorded output's ids (a prefix AR hit), every turn extending prompt + output exactly."""
+    the recorded output's ids (a prefix AR hit), every turn extending prompt + output exactly.
+    The record's own chain is read into the memo once the sidecar stored it (``records_held``),
+    so the next turn reads nothing from the segment but index slots."""
     from tokcache.engine import lookup as lookup_mod
 
     if lookup_mod._native is None:
@@ -880,13 +882,25 @@ def test_a_recorded_prompt_is_stored_by_its_reader_and_its_next_turn_takes_the_n
             return getattr(native, name)
 
     monkeypatch.setattr(lookup_mod, "_native", Counting())
+    from tokcache.store._log import Log
+
+    walk, walks = Log.walk_known, [0]
+
+    def counting_walk(self: Log, *args: Any) -> Any:
+        walks[0] += 1
+        return walk(self, *args)
+
+    monkeypatch.setattr(Log, "walk_known", counting_walk)
     with SidecarClient(proc.address) as c:
         c.tokenize("qwen3", text="warm up")
         text = "<|im_start|>system\nYou are terse.<|im_end|>\n" + TURN.format(q="count, slowly")
         prev: list[int] = []
         sources = []
         for k in range(6):
+            walks[0] = 0
             r = c.tokenize("qwen3", text=text, add_special_tokens=False)
+            if k >= 2:
+                assert walks[0] == 0, k  # every chain it needs is held: no record read in the request
             assert r.served_by == "local"
             assert r.token_ids[:len(prev)] == prev, k  # this turn extends the last prompt + its output
             sources.append(r.decision.source)
@@ -901,7 +915,11 @@ def test_a_recorded_prompt_is_stored_by_its_reader_and_its_next_turn_takes_the_n
             prev = r.token_ids + out_ids
             text += output + "<|im_end|>\n" + TURN.format(q=f"and then {k}?")
         writes = c.stats()["writes"]
+        local = c._local.get("qwen3") if c._local is not None else None
+        assert local is not None and local.lookup.heads.used >= 4  # the reply lists were built between turns
     assert sources[1:] == ["ar"] * 5, sources
     # Every prompt was short (skipped), and stored for its record by this process.
     assert writes.get("for_record") == 6 and writes.get("stored", 0) >= 6, writes
+    # Each record's chain was read into the memo right after it was stored (between turns).
+    assert writes.get("records_held") == 6, writes
     assert sum(served_ar) >= 4, served_ar  # the native path served the turns after the first ones

@@ -14,6 +14,11 @@ and used by, requests that no recorded output can apply to (exact mode, or a seg
 never held an AR record: ``CacheView.holds_ar`` never turns false again). Their ids
 are the text's plain encoding, so this turn's head is the next turn's prefix, value for
 value; a head whose cut or length differs from what the taker expects is not used.
+
+When a recorded output applies, the next turn's prefix is that record's chain (the prompt's
+ids, then the generated ones): once the record is stored, the process that recorded it reads
+the chain and builds a head of it under the record's AR key (:meth:`Heads.build_key`), which
+the turn whose prefix AR hit is that key takes (:meth:`Heads.take_key`).
 """
 
 from __future__ import annotations
@@ -65,6 +70,8 @@ class Heads(Generic[Ids, Out]):
         self._heads: OrderedDict[Scan, tuple[int, int, Out]] = OrderedDict()  # scan -> (cut, tokens, head)
         self._ids = 0  # ids held in all
         self._pending: dict[Scan, Ready[Ids]] = {}
+        # AR key -> (tokens, head): heads of recorded outputs' chains (see build_key), newest last.
+        self._keyed: OrderedDict[bytes, tuple[int, Out]] = OrderedDict()
         self._declining = 0  # offers left to decline (see BACKOFF)
         self._offered_at = 0.0  # time.monotonic() of the last offer
         self.enabled = True  # False: every offer is declined (a benchmark's on/off switch)
@@ -122,7 +129,7 @@ class Heads(Generic[Ids, Out]):
             heads[ready.scan] = (ready.cut, ready.tokens, head)
             self._ids += ready.tokens
             self.built += 1
-            while self._ids > self._budget or len(heads) > MAX_HEADS:
+            while heads and (self._ids > self._budget or len(heads) > MAX_HEADS):
                 self._ids -= heads.popitem(last=False)[1][1]
 
     def take(self, scan: Scan, cut: int, tokens: int) -> Out | None:
@@ -140,5 +147,36 @@ class Heads(Generic[Ids, Out]):
             self.used += 1
         return got[2]
 
+    def build_key(self, key: bytes, full: Ids, tokens: int) -> None:
+        """Copy ``full[:tokens]`` (the chain of the AR record ``key``) into a head for the turn
+        whose prefix AR hit is ``key`` (off the request path: after the record was stored)."""
+        if not self.enabled or tokens > self._budget:
+            return
+        head = self._fmt.result(full, tokens)
+        with self._lock:
+            keyed = self._keyed
+            old = keyed.pop(key, None)
+            if old is not None:
+                self._ids -= old[0]
+            keyed[key] = (tokens, head)
+            self._ids += tokens
+            self.built += 1
+            while keyed and (self._ids > self._budget or len(keyed) > MAX_HEADS):
+                self._ids -= keyed.popitem(last=False)[1][0]
+
+    def take_key(self, key: bytes, tokens: int) -> Out | None:
+        """The head built for AR key ``key`` holding ``tokens`` ids, now the caller's, or None."""
+        if not self._keyed:
+            return None
+        with self._lock:
+            got = self._keyed.pop(key, None)
+            if got is None:
+                return None
+            self._ids -= got[0]
+            if got[0] != tokens:
+                return None
+            self.used += 1
+        return got[1]
+
     def __len__(self) -> int:
-        return len(self._heads)
+        return len(self._heads) + len(self._keyed)

@@ -502,6 +502,10 @@ class Lookup(Generic[Ids, Out]):
         if tail.head is not None and tail.new is not None and not prefix:
             # The head holds the ids up to where this turn's encoding starts.
             out = self.fmt.finish(tail.head, tail.new, 0, suffix)
+        elif (decision.source == "ar" and decision.ar_prefix_hit and hit.parent is not None and not prefix
+              and (head := self.heads.take_key(hit.parent, hit.tokens)) is not None):
+            # The recorded output's chain, copied after it was recorded (Heads.build_key).
+            out = self.fmt.finish(head, tail.flat(), 0, suffix)
         else:
             ids = tail.flat()
             full = self._full(hit, ids)
@@ -691,6 +695,18 @@ class Lookup(Generic[Ids, Out]):
         tokens = found.own.base + found.own.n
         self.memo.put(found.own, ids, {key: found.own.n})
         return ids, tokens
+
+    def hold(self, key: bytes, *, head: bool = False) -> bool:
+        """Read ``key``'s chain into the memo now (False: no such live chain), so a later
+        request whose hit it is finds it held: e.g. a recorded output's, between its record
+        and the turn that continues it; with ``head``, also copy it into a head for that
+        request (see tokcache.engine.heads). Raises StoreError."""
+        found = None if self.store is None else self._read(self.store, key)
+        if found is None:
+            return False
+        if head:
+            self.heads.build_key(key, found[0], found[1])
+        return True
 
     def _find_hit(self, store: CacheView | None, keys: TextKeys, spans: list[tuple[int, int]], ar: bool,
                   decision: Decision) -> _Hit[Ids]:

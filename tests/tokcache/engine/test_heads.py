@@ -149,3 +149,30 @@ def test_heads_of_superseded_texts_and_past_max_heads_are_dropped() -> None:
         heads.build(_ready(s, [1], 1))
     assert len(heads) == heads_mod.MAX_HEADS
     assert heads.take(scans[0], 10, 1) is None and heads.take(scans[-1], 10, 1) == [1]
+
+
+def test_a_recorded_outputs_head_is_taken_once_by_its_key_and_length() -> None:
+    """Heads built under an AR key (a recorded output's chain, after its record): taken once,
+    only with the length built, the taker's own; the oldest go past the budget."""
+    heads: Heads[Chunks, list[int]] = Heads(LISTS, budget=8)
+    ids = [1, 2, 3, 4, 5]
+    heads.build_key(b"k" * 16, LISTS.from_list(ids), 4)
+    assert heads.take_key(b"x" * 16, 4) is None  # another key
+    got = heads.take_key(b"k" * 16, 4)
+    assert got == [1, 2, 3, 4] and got is not ids
+    got.append(9)
+    assert ids == [1, 2, 3, 4, 5] and heads.take_key(b"k" * 16, 4) is None  # taken once
+    heads.build_key(b"a" * 16, LISTS.from_list(ids), 5)
+    assert heads.take_key(b"a" * 16, 4) is None  # another length: dropped, not used
+    heads.build_key(b"a" * 16, LISTS.from_list(ids), 5)
+    heads.build_key(b"b" * 16, LISTS.from_list(ids), 5)  # 10 ids > budget 8: "a" goes
+    assert heads.take_key(b"a" * 16, 5) is None and heads.take_key(b"b" * 16, 5) == ids
+    assert (heads.built, heads.used, len(heads)) == (4, 2, 0)
+
+
+def test_scan_and_key_heads_share_the_budget() -> None:
+    heads: Heads[Chunks, list[int]] = Heads(LISTS, budget=8)
+    heads.build_key(b"k" * 16, LISTS.from_list([1, 2, 3, 4, 5, 6]), 6)
+    s = _scan()
+    heads.build(_ready(s, [1, 2, 3, 4], 4))  # over budget with the key's: a scan head drops, nothing raises
+    assert heads.take(s, 10, 4) is None and heads.take_key(b"k" * 16, 6) == [1, 2, 3, 4, 5, 6]
