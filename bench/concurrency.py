@@ -15,6 +15,11 @@ cores, each with its own fresh server and cache:
                                     the figures)
 - ``tokcache-rpc``                  the client with ``zero_rpc=False``: every request is a
                                     gRPC round trip to one sidecar process
+- ``tokcache-ar``                   (opt-in: ``--contenders ...,tokcache-ar``) the default client
+                                    recording each turn's output before the next, as vLLM's
+                                    plugin does (its RecordOutput: the same text-derived output as
+                                    ``multiturn_latency.py --ar``). The records are in the wall time
+                                    and the CPU (client and sidecar), not in the latencies
 
 Per contender and P: requests per second over the whole run (all processes started together
 at a barrier, until the last one finishes), and p50/p99 latency of every request. Every
@@ -48,6 +53,7 @@ from _contenders import ContenderUnavailable, SmgContender, TokcacheContender  #
 
 SEGMENT_CACHE_BYTES = 64 << 20
 CONTENDERS = ("fastokens", "fastokens+seg", "smg", "tokcache", "tokcache-rpc")
+OPT_IN = ("tokcache-ar",)
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -89,13 +95,43 @@ def _client(name: str, tok_dir: Path, target: str, smg_port: int) -> Any:
         return smg
     from sidecar_client import SidecarClient
 
-    client = SidecarClient(target, zero_rpc=name == "tokcache", timeout=60)
+    client = SidecarClient(target, zero_rpc=name != "tokcache-rpc", timeout=60)
 
     def tc(text: str) -> list[int]:
         return client.tokenize("bench", text=text, add_special_tokens=False).token_ids
 
     tc.client = client  # type: ignore[attr-defined]
+    if name == "tokcache-ar":
+        tc.record = _recorder(client, tok_dir)  # type: ignore[attr-defined]
     return tc
+
+
+def _recorder(client: Any, tok_dir: Path) -> Any:
+    """record(prompt, prompt_ids, next_text): record the output that took ``prompt`` to
+    ``next_text`` — the text up to the first added token after the prompt, its canonical ids
+    and that token's id (see ``_contenders.TokcacheContender.prepare``); nothing when
+    ``next_text`` does not extend ``prompt`` (a rewritten history, another conversation)."""
+    import re
+
+    import tokenizers
+
+    ref = tokenizers.Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+    added = sorted((t.content for t in ref.get_added_tokens_decoder().values() if t.special), key=len, reverse=True)
+    pattern = re.compile("|".join(map(re.escape, added)))
+
+    def record(prompt: str, prompt_ids: list[int], next_text: str) -> None:
+        if not next_text.startswith(prompt):
+            return
+        rest = next_text[len(prompt):]
+        end = pattern.search(rest)
+        if end is None or end.start() == 0:
+            return
+        out = rest[: end.start()]
+        ids = ref.encode(out, add_special_tokens=False).ids + [ref.token_to_id(end.group())]
+        client.record_output("bench", prompt_text=prompt, prompt_token_ids=prompt_ids, output_text=out,
+                             output_token_ids=ids, stop_reason=None)
+
+    return record
 
 
 def _child(name: str, index: int, args: dict[str, Any], barrier: Any, out: Any) -> None:
@@ -110,6 +146,7 @@ def _child(name: str, index: int, args: dict[str, Any], barrier: Any, out: Any) 
         ref = tokenizers.Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
         fn = _client(name, tok_dir, args["target_addr"], args["smg_port"])
         fn("warm-up: hello")  # connect / map / load before the clock starts
+        record = getattr(fn, "record", None)
         barrier.wait(timeout=600)
         lat: list[float] = []
         kept: list[tuple[int, list[int]]] = []
@@ -120,6 +157,8 @@ def _child(name: str, index: int, args: dict[str, Any], barrier: Any, out: Any) 
             s = time.perf_counter_ns()
             ids = fn(text)
             lat.append((time.perf_counter_ns() - s) / 1000)
+            if record is not None and i + 1 < len(texts):
+                record(text, ids, texts[i + 1])
             if args["check"] and i % args["check"] == 0:
                 kept.append((i, ids))  # checked after the clock stops
         wall = time.perf_counter() - t0
@@ -180,7 +219,7 @@ def run_one(name: str, procs: int, args: argparse.Namespace, tok_dir: Path) -> d
             server.start()
             smg_port = server.port
         elif name.startswith("tokcache"):
-            server = TokcacheContender(tok_dir, args.out_dir, False, zero_rpc=name == "tokcache", name=name)
+            server = TokcacheContender(tok_dir, args.out_dir, False, zero_rpc=name != "tokcache-rpc", name=name)
             server.start()
             target = server.target
     except ContenderUnavailable as exc:
@@ -240,7 +279,8 @@ def run_one(name: str, procs: int, args: argparse.Namespace, tok_dir: Path) -> d
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--procs", default="1,4,16", help="client process counts (default 1,4,16)")
-    ap.add_argument("--contenders", default=",".join(CONTENDERS), help=f"subset of {','.join(CONTENDERS)}")
+    ap.add_argument("--contenders", default=",".join(CONTENDERS),
+                    help=f"subset of {','.join(CONTENDERS + OPT_IN)} (default: all but {','.join(OPT_IN)})")
     ap.add_argument("--passes", type=int, default=2, help="conversations each process replays (default 2)")
     ap.add_argument("--turns", type=int, default=conversations.DEFAULT_TURNS)
     ap.add_argument("--target-bytes", type=int, default=conversations.DEFAULT_TARGET_BYTES)
@@ -254,7 +294,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.procs, args.passes, args.turns = "1,4", 1, 12
     args.proc_list = [int(x) for x in args.procs.split(",")]
     args.contender_list = [c for c in args.contenders.split(",") if c]
-    unknown = set(args.contender_list) - set(CONTENDERS)
+    unknown = set(args.contender_list) - set(CONTENDERS + OPT_IN)
     if unknown:
         ap.error(f"unknown contenders {sorted(unknown)}")
     return args
@@ -299,7 +339,8 @@ def main(argv: list[str] | None = None) -> int:
                 return None
             return float(r["client_cpu_us_per_req"] + r["server_cpu_us_per_req"])
         for num, den in (("tokcache", "fastokens+seg"), ("tokcache", "fastokens"), ("tokcache", "smg"),
-                         ("tokcache-rpc", "smg"), ("tokcache", "tokcache-rpc")):
+                         ("tokcache-rpc", "smg"), ("tokcache", "tokcache-rpc"), ("tokcache-ar", "fastokens+seg"),
+                         ("tokcache-ar", "smg"), ("tokcache-ar", "tokcache")):
             a, b = rps(num), rps(den)
             if a and b:
                 ratios.setdefault(procs, {})[f"{num}/{den} req/s"] = a / b
@@ -319,7 +360,7 @@ def print_report(res: dict[str, Any]) -> None:
     cfg = res["config"]
     print(f"\n== concurrency: P client processes x {cfg['passes']} conversations x {cfg['turns']} turns "
           f"(~{cfg['target_bytes'] / 1000:.0f} KB at the last turn), {res['environment']['cpus']} CPUs ==")
-    names = sorted({n for runs in res["runs"].values() for n in runs}, key=CONTENDERS.index)
+    names = sorted({n for runs in res["runs"].values() for n in runs}, key=(CONTENDERS + OPT_IN).index)
     print(f"{'P':>3}  " + "".join(f"{n:>30}" for n in names))
     for procs, runs in res["runs"].items():
         cells = []
@@ -363,7 +404,7 @@ def plot(res: dict[str, Any], path: Path) -> Path | None:
         return None
     fig, ax = plt.subplots(figsize=(8, 5))
     procs = [int(p) for p in res["runs"]]
-    names = sorted({n for runs in res["runs"].values() for n in runs}, key=CONTENDERS.index)
+    names = sorted({n for runs in res["runs"].values() for n in runs}, key=(CONTENDERS + OPT_IN).index)
     for n in names:
         ys = [res["runs"][str(p)].get(n, {}).get("req_per_s") for p in procs]
         xs = [p for p, y in zip(procs, ys, strict=True) if y]
