@@ -466,6 +466,9 @@ class TokcacheContender(Contender):
         ids = self._ref.encode(out, add_special_tokens=False).ids + [self._ref.token_to_id(end.group())]
         self._client.record_output(TOKCACHE_MODEL, prompt_text=prompt, prompt_token_ids=prompt_ids, output_text=out,
                                    output_token_ids=ids, stop_reason=None, prompt_add_special_tokens=self._add)
+        # The gap before the next turn (the client reads the response, runs its tools): the
+        # write-behind works in it, e.g. reading the record's chain for that turn (heads).
+        self._client.flush(5.0)
 
     def settle(self) -> None:
         """Wait for the client's write-behind (between timed calls, not inside one)."""

@@ -127,7 +127,7 @@ class LocalStats:
       nothing was cached: another process's next turn encodes it again, this one's does not)
       and for_record (one of those stored after all, when an output was recorded for its text)
       and records_held (not a write: an output the sidecar recorded whose chain this process then
-      read, between turns, for the turn that continues it)
+      offered to read and copy between turns, for the turn that continues it)
     """
 
     tokenize: Counter[str] = field(default_factory=Counter)
@@ -618,15 +618,18 @@ class LocalModel:
             self.writer.stats_kept()
 
     def hold_record(self, prompt_text: str, output_text: str, salt: str) -> bool:
-        """After the sidecar stored the record of ``output_text`` after ``prompt_text``: read
-        its chain into this process's memo now, between turns, so the turn that continues it
-        (a prefix AR hit) finds it held instead of walking it inside its request. False when
-        it is not there (refused, evicted). Never raises."""
+        """After the sidecar stored the record of ``output_text`` after ``prompt_text``: have
+        the write-behind read its chain into this process's memo and copy it into a head,
+        between turns, so the turn that continues it (a prefix AR hit) reads and copies only
+        its own tail. False when declined (a busy process). Never raises."""
         try:
-            return self.lookup.hold(output_key(prompt_text, output_text, salt=salt), head=True)
-        except (StoreError, UnicodeEncodeError, ValueError) as exc:
-            log.debug("tokcache: could not read a recorded output's chain: %r", exc)
+            offered = self.lookup.hold(output_key(prompt_text, output_text, salt=salt))
+        except (UnicodeEncodeError, ValueError) as exc:
+            log.debug("tokcache: could not key a recorded output: %r", exc)
             return False
+        if offered:
+            self.writer.poke()
+        return offered
 
     def mark(self, prompt_text: str, output_text: str, salt: str, expiry: int) -> bool:
         """Mark the record of ``output_text`` after ``prompt_text`` as on its way until ``expiry``
@@ -855,7 +858,7 @@ class LocalPaths:
 
     def hold_records(self, model: str, records: Sequence[tuple[str, str, str]]) -> int:
         """:meth:`LocalModel.hold_record` of each (prompt text, output text, salt) the sidecar
-        stored for ``model``; how many were read. Never raises."""
+        stored for ``model``; how many were offered. Never raises."""
         local = self._models.get(model)
         if local is None or local.stale:
             return 0

@@ -861,8 +861,9 @@ def test_a_recorded_prompt_is_stored_by_its_reader_and_its_next_turn_takes_the_n
     ``for_record``) rather than the sidecar tokenizing the prompt again; the reader then holds
     the chain its next turn hits, and that turn is served by the native path (``extend``) with
     the recorded output's ids (a prefix AR hit), every turn extending prompt + output exactly.
-    The record's own chain is read into the memo once the sidecar stored it (``records_held``),
-    so the next turn reads nothing from the segment but index slots."""
+    The record's own chain is read into the memo, and copied into a head, by the write-behind once
+    the sidecar stored it (``records_held``), so the next turn reads nothing from the segment but
+    index slots and copies only its tail."""
     from tokcache.engine import lookup as lookup_mod
 
     if lookup_mod._native is None:
@@ -913,6 +914,7 @@ def test_a_recorded_prompt_is_stored_by_its_reader_and_its_next_turn_takes_the_n
             else:
                 assert c.record_output("qwen3", **record).recorded_tokens > 0
             prev = r.token_ids + out_ids
+            assert c.flush(10)  # the gap before the next turn, in which the write-behind builds the head
             text += output + "<|im_end|>\n" + TURN.format(q=f"and then {k}?")
         writes = c.stats()["writes"]
         local = c._local.get("qwen3") if c._local is not None else None

@@ -16,9 +16,10 @@ are the text's plain encoding, so this turn's head is the next turn's prefix, va
 value; a head whose cut or length differs from what the taker expects is not used.
 
 When a recorded output applies, the next turn's prefix is that record's chain (the prompt's
-ids, then the generated ones): once the record is stored, the process that recorded it reads
-the chain and builds a head of it under the record's AR key (:meth:`Heads.build_key`), which
-the turn whose prefix AR hit is that key takes (:meth:`Heads.take_key`).
+ids, then the generated ones): once the record is stored, the process that recorded it offers
+a head under the record's AR key (:meth:`Heads.offer_key`: how to read the chain), the
+write-behind reads the chain (into the reader's memo) and copies it between requests, and the
+turn whose prefix AR hit is that key takes it (:meth:`Heads.take_key`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic
 
@@ -70,8 +72,10 @@ class Heads(Generic[Ids, Out]):
         self._heads: OrderedDict[Scan, tuple[int, int, Out]] = OrderedDict()  # scan -> (cut, tokens, head)
         self._ids = 0  # ids held in all
         self._pending: dict[Scan, Ready[Ids]] = {}
-        # AR key -> (tokens, head): heads of recorded outputs' chains (see build_key), newest last.
+        # AR key -> (tokens, head): heads of recorded outputs' chains (see build_key), newest last;
+        # and the ones offered, not built yet: AR key -> how to read its chain.
         self._keyed: OrderedDict[bytes, tuple[int, Out]] = OrderedDict()
+        self._pending_keys: dict[bytes, Callable[[], tuple[Ids, int] | None]] = {}
         self._declining = 0  # offers left to decline (see BACKOFF)
         self._offered_at = 0.0  # time.monotonic() of the last offer
         self.enabled = True  # False: every offer is declined (a benchmark's on/off switch)
@@ -82,7 +86,7 @@ class Heads(Generic[Ids, Out]):
     @property
     def pending(self) -> bool:
         """Whether heads were offered and not built yet."""
-        return bool(self._pending)
+        return bool(self._pending) or bool(self._pending_keys)
 
     def offer(self, ready: Ready[Ids]) -> bool:
         """Note a head to build after the reply (the request path: no copy here); False when
@@ -106,12 +110,38 @@ class Heads(Generic[Ids, Out]):
         keep coming (a busy process would only trade its GIL back and forth for them)."""
         return self._offered_at + quiet_s - time.monotonic()
 
+    def offer_key(self, key: bytes, load: Callable[[], tuple[Ids, int] | None]) -> bool:
+        """Note a head to build under AR key ``key`` after its record was stored: ``load()``
+        reads the chain, (container, tokens) or None (no copy here); False when declined."""
+        if not self.enabled:
+            return False
+        if self._declining:
+            self._declining -= 1
+            return False
+        with self._lock:
+            self._offered_at = time.monotonic()
+            pending = self._pending_keys
+            pending[key] = load
+            if len(pending) > PENDING:
+                del pending[next(iter(pending))]
+        return True
+
     def build_pending(self) -> None:
-        """Build the heads offered so far (the write-behind, between requests)."""
+        """Build the heads offered so far (the write-behind, between requests). A chain that
+        cannot be read (evicted meanwhile) makes no head; ``load`` may raise (a store
+        error): that head is not built, the others are."""
         with self._lock:
             todo, self._pending = self._pending, {}
+            keys, self._pending_keys = self._pending_keys, {}
         for ready in todo.values():
             self.build(ready)
+        for key, load in keys.items():
+            try:
+                got = load()
+            except Exception:  # noqa: BLE001 - a head is an optimisation: the request reads the chain itself
+                got = None
+            if got is not None:
+                self.build_key(key, got[0], got[1])
 
     def build(self, ready: Ready[Ids]) -> None:
         """Copy ``ready``'s ids into a head of their own (off the request path), unless a
@@ -166,9 +196,11 @@ class Heads(Generic[Ids, Out]):
 
     def take_key(self, key: bytes, tokens: int) -> Out | None:
         """The head built for AR key ``key`` holding ``tokens`` ids, now the caller's, or None."""
-        if not self._keyed:
+        if not self._keyed and not self._pending_keys:
             return None
         with self._lock:
+            if self._pending_keys.pop(key, None) is not None:  # not built in time: the process is busy
+                self._declining = BACKOFF
             got = self._keyed.pop(key, None)
             if got is None:
                 return None

@@ -696,17 +696,15 @@ class Lookup(Generic[Ids, Out]):
         self.memo.put(found.own, ids, {key: found.own.n})
         return ids, tokens
 
-    def hold(self, key: bytes, *, head: bool = False) -> bool:
-        """Read ``key``'s chain into the memo now (False: no such live chain), so a later
-        request whose hit it is finds it held: e.g. a recorded output's, between its record
-        and the turn that continues it; with ``head``, also copy it into a head for that
-        request (see tokcache.engine.heads). Raises StoreError."""
-        found = None if self.store is None else self._read(self.store, key)
-        if found is None:
+    def hold(self, key: bytes) -> bool:
+        """Offer a head of ``key``'s chain (see tokcache.engine.heads): whoever builds heads
+        reads the chain into the memo and copies it, so the request whose prefix AR hit is
+        ``key`` (the turn that continues a recorded output) reads nothing and copies only its
+        tail. False when declined."""
+        store = self.store
+        if store is None:
             return False
-        if head:
-            self.heads.build_key(key, found[0], found[1])
-        return True
+        return self.heads.offer_key(key, lambda: self._read(store, key))
 
     def _find_hit(self, store: CacheView | None, keys: TextKeys, spans: list[tuple[int, int]], ar: bool,
                   decision: Decision) -> _Hit[Ids]:

@@ -4,6 +4,7 @@ was built for, and the heads of a process stay within their budget, oldest dropp
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 from tokcache.engine.boundaries import Scan
 from tokcache.engine.heads import Heads, Ready
@@ -176,3 +177,28 @@ def test_scan_and_key_heads_share_the_budget() -> None:
     s = _scan()
     heads.build(_ready(s, [1, 2, 3, 4], 4))  # over budget with the key's: a scan head drops, nothing raises
     assert heads.take(s, 10, 4) is None and heads.take_key(b"k" * 16, 6) == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_recorded_outputs_head_is_offered_then_built_between_requests_or_dropped_when_late() -> None:
+    heads: Heads[Chunks, list[int]] = Heads(LISTS)
+    loads: list[bytes] = []
+
+    def load(key: bytes, n: int) -> Any:
+        def f() -> tuple[Chunks, int] | None:
+            loads.append(key)
+            if n < 0:
+                raise OSError("the store failed")
+            return (LISTS.from_list(list(range(n))), n) if n else None
+        return f
+
+    assert heads.offer_key(b"a" * 16, load(b"a" * 16, 3)) and heads.pending
+    assert heads.offer_key(b"b" * 16, load(b"b" * 16, 0))  # evicted meanwhile: no head
+    assert heads.offer_key(b"c" * 16, load(b"c" * 16, -1))  # a store error: no head, nothing raised
+    assert not loads  # nothing read on the offering path
+    heads.build_pending()
+    assert not heads.pending and sorted(loads) == [b"a" * 16, b"b" * 16, b"c" * 16]
+    assert heads.take_key(b"a" * 16, 3) == [0, 1, 2] and heads.take_key(b"b" * 16, 0) is None
+    # Taken before it was built (a busy process): not built later, and the next offers are declined.
+    assert heads.offer_key(b"d" * 16, load(b"d" * 16, 2))
+    assert heads.take_key(b"d" * 16, 2) is None
+    assert not heads.pending and not heads.offer_key(b"e" * 16, load(b"e" * 16, 2))
