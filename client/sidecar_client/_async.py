@@ -115,9 +115,11 @@ class AsyncSidecarClient:
         return await asyncio.to_thread(self.local.flush, timeout)
 
     async def _flush_for(self, records: list[tuple[str, str, str]]) -> None:
-        """Before RecordOutput(s): store the prompts' entries (see LocalPaths.flush)."""
-        if self.local is not None and not self.local.settled(records):
-            await asyncio.to_thread(self.local.flush, self.timeout, records)
+        """Before RecordOutput(s): store the prompts' entries (LocalPaths.store_for_records:
+        in this thread), then wait for what is still queued."""
+        if self.local is not None:
+            self.local.store_for_records(records)
+        await self.flush(self.timeout)
 
     async def tokenize(self, model: str, *, text: str | None = None,
                        messages: Sequence[Mapping[str, Any]] | None = None,

@@ -296,9 +296,25 @@ class WriteBehind:
         """Count a write not offered (its tail was short: see LocalModel._hand_off)."""
         self._stats.writes["skipped"] += 1
 
-    def stats_kept(self) -> None:
-        """Count a skipped write offered after all, for an output recorded for its text."""
-        self._stats.writes["for_record"] += 1
+    def store_now(self, write: PendingWrite[Chunks], text: str, salt: str, mode: str) -> None:
+        """Store a write that was skipped for its size, now, in this thread, because an output
+        is recorded for its text (counted ``for_record``): only into the segment directly (a
+        process that cannot write it leaves the prompt to the sidecar's RecordOutput, which
+        stores it anyway); a writer lock busy past INLINE_LOCK_S queues it for the
+        background thread instead. Its parent is stored (its read hit it), so it needs no
+        queued write before it. Never raises."""
+        if self._store is None:
+            return
+        try:
+            done = self._write(write, text, salt, mode, INLINE_LOCK_S)
+        except Exception:  # never let a write fail the caller
+            log.exception("tokcache: storing a prompt for its record failed")
+            self._stats.writes["failed"] += 1
+            return
+        if done:
+            self._stats.writes["for_record"] += 1
+        else:
+            self.offer(write, text, salt, mode)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Store every write offered so far (in this thread, where the background thread
@@ -602,20 +618,21 @@ class LocalModel:
             self.writer.poke()
         return result
 
-    def keeps(self, prompt_text: str, salt: str) -> bool:
-        """Whether the write of ``prompt_text`` is kept for its record (see KEPT_FOR_RECORD)."""
-        return (prompt_text, salt) in self._kept
-
     def store_for_record(self, prompt_text: str, salt: str) -> None:
-        """Queue the write of ``prompt_text`` that was skipped for its size (see KEPT_FOR_RECORD),
-        if kept: an output recorded for it chains to its entries. Reads not settled yet are
-        settled first (this prompt's may be among them). Never raises."""
+        """Store, in this thread, the write of ``prompt_text`` that was skipped for its size (see
+        KEPT_FOR_RECORD), if kept: an output recorded for it chains to its entries. Reads not
+        settled yet are settled first (this prompt's may be among them). Inline, as a request
+        stores its previous turn's write: a thread hop here would hold the caller's response
+        (vLLM's plugin holds it until the record is stored) for as long as a busy event loop
+        lets a worker thread run. Never raises."""
         if self.settler.pending:
             self.settler.run()
+        if not self._kept:
+            return
         with self._kept_lock:
             write = self._kept.pop((prompt_text, salt), None)
-        if write is not None and self.writer.offer(write, prompt_text, salt, "kv-stable"):
-            self.writer.stats_kept()
+        if write is not None:
+            self.writer.store_now(write, prompt_text, salt, "kv-stable")
 
     def hold_record(self, prompt_text: str, output_text: str, salt: str) -> bool:
         """After the sidecar stored the record of ``output_text`` after ``prompt_text``: have
@@ -866,21 +883,16 @@ class LocalPaths:
         self.stats.writes["records_held"] += held
         return held
 
-    def settled(self, records: Sequence[tuple[str, str, str]] = ()) -> bool:
-        """True when a flush with ``records`` would return at once (nothing pending, no kept
-        write of those prompts)."""
-        return self.idle and not any(
-            local is not None and local.keeps(prompt_text, salt)
-            for model, prompt_text, salt in records for local in (self._models.get(model),))
-
-    def flush(self, timeout: float | None = None, records: Sequence[tuple[str, str, str]] = ()) -> bool:
-        """Wait for every model's pending writes (before a RecordOutput that chains to them);
-        ``records`` (model, prompt text, salt): first queue the prompts' writes skipped for
-        their size (LocalModel.store_for_record)."""
+    def store_for_records(self, records: Sequence[tuple[str, str, str]]) -> None:
+        """Before a RecordOutput of each (model, prompt text, salt): store the prompt's write
+        that was skipped for its size, in this thread (LocalModel.store_for_record). Never raises."""
         for model, prompt_text, salt in records:
             local = self._models.get(model)
             if local is not None:
                 local.store_for_record(prompt_text, salt)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait for every model's pending writes (before a RecordOutput that chains to them)."""
         ok = True
         for local in list(self._models.values()):
             ok = local.writer.flush(timeout) and ok

@@ -111,9 +111,11 @@ class SidecarClient:
         return self._local.flush(timeout) if self._local is not None else True
 
     def _flush_for(self, records: list[tuple[str, str, str]]) -> None:
-        """Before RecordOutput(s): store the prompts' entries (see LocalPaths.flush)."""
+        """Before RecordOutput(s): store the prompts' entries (LocalPaths.store_for_records),
+        then wait for what is still queued."""
         if self._local is not None:
-            self._local.flush(self.timeout, records)
+            self._local.store_for_records(records)
+            self._local.flush(self.timeout)
 
     def tokenize(self, model: str, *, text: str | None = None,
                  messages: Sequence[Mapping[str, Any]] | None = None,

@@ -853,18 +853,25 @@ def test_the_plugin_marks_a_record_its_response_could_not_wait_for_and_another_a
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("api", ["sync", "async"])
 @pytest.mark.parametrize("batch", [False, True], ids=["record_output", "record_outputs"])
 def test_a_recorded_prompt_is_stored_by_its_reader_and_its_next_turn_takes_the_native_path(
-        sidecar: tuple[SidecarProcess, int], qwen3_path: Path, monkeypatch: pytest.MonkeyPatch, batch: bool) -> None:
+        sidecar: tuple[SidecarProcess, int], qwen3_path: Path, monkeypatch: pytest.MonkeyPatch, batch: bool,
+        api: str) -> None:
     """A turn's write skipped for its size (min_write_bytes) is kept until its output is recorded:
-    the RecordOutput chains to the prompt's entries, so the reader stores them then (counted as
-    ``for_record``) rather than the sidecar tokenizing the prompt again; the reader then holds
-    the chain its next turn hits, and that turn is served by the native path (``extend``) with
-    the recorded output's ids (a prefix AR hit), every turn extending prompt + output exactly.
-    The record's own chain is read into the memo, and copied into a head, by the write-behind once
-    the sidecar stored it (``records_held``), so the next turn reads nothing from the segment but
-    index slots and copies only its tail."""
+    the RecordOutput chains to the prompt's entries, so the reader stores them then, in the
+    recording thread (counted as ``for_record``), rather than the sidecar tokenizing the prompt
+    again; the reader then holds the chain its next turn hits, and that turn is served by the
+    native path (``extend``) with the recorded output's ids (a prefix AR hit), every turn
+    extending prompt + output exactly. The record's own chain is read into the memo, and copied
+    into a head, by the write-behind once the sidecar stored it (``records_held``), so the next
+    turn reads nothing from the segment but index slots and copies only its tail. The same with
+    the async client (vLLM's plugin records through it)."""
+    import asyncio
+    import inspect
+
     from tokcache.engine import lookup as lookup_mod
+    from tokcache.store._log import Log
 
     if lookup_mod._native is None:
         pytest.skip("the native extension is not built")
@@ -883,8 +890,6 @@ def test_a_recorded_prompt_is_stored_by_its_reader_and_its_next_turn_takes_the_n
             return getattr(native, name)
 
     monkeypatch.setattr(lookup_mod, "_native", Counting())
-    from tokcache.store._log import Log
-
     walk, walks = Log.walk_known, [0]
 
     def counting_walk(self: Log, *args: Any) -> Any:
@@ -892,36 +897,53 @@ def test_a_recorded_prompt_is_stored_by_its_reader_and_its_next_turn_takes_the_n
         return walk(self, *args)
 
     monkeypatch.setattr(Log, "walk_known", counting_walk)
-    with SidecarClient(proc.address) as c:
-        c.tokenize("qwen3", text="warm up")
-        text = "<|im_start|>system\nYou are terse.<|im_end|>\n" + TURN.format(q="count, slowly")
-        prev: list[int] = []
-        sources = []
-        for k in range(6):
-            walks[0] = 0
-            r = c.tokenize("qwen3", text=text, add_special_tokens=False)
-            if k >= 2:
-                assert walks[0] == 0, k  # every chain it needs is held: no record read in the request
-            assert r.served_by == "local"
-            assert r.token_ids[:len(prev)] == prev, k  # this turn extends the last prompt + its output
-            sources.append(r.decision.source)
-            output = f"{k}, {k + 1},  {k + 2}.\n\nAnd — {k * 11} more!"
-            out_ids = _generated(ref, output) + ref.encode("<|im_end|>", add_special_tokens=False).ids
-            record = {"prompt_text": text, "prompt_token_ids": r.token_ids, "output_text": output,
-                      "output_token_ids": out_ids}
-            if batch:
-                assert c.record_outputs("qwen3", [record]).recorded == 1
-            else:
-                assert c.record_output("qwen3", **record).recorded_tokens > 0
-            prev = r.token_ids + out_ids
-            assert c.flush(10)  # the gap before the next turn, in which the write-behind builds the head
-            text += output + "<|im_end|>\n" + TURN.format(q=f"and then {k}?")
-        writes = c.stats()["writes"]
-        local = c._local.get("qwen3") if c._local is not None else None
-        assert local is not None and local.lookup.heads.used >= 4  # the reply lists were built between turns
+
+    async def done(value: Any) -> Any:
+        return await value if inspect.isawaitable(value) else value
+
+    async def main() -> tuple[list[str], dict[str, int], int]:
+        c: Any = SidecarClient(proc.address) if api == "sync" else AsyncSidecarClient(proc.address)
+        try:
+            await done(c.tokenize("qwen3", text="warm up"))
+            text = "<|im_start|>system\nYou are terse.<|im_end|>\n" + TURN.format(q="count, slowly")
+            prev: list[int] = []
+            sources = []
+            for k in range(6):
+                walks[0] = 0
+                r = await done(c.tokenize("qwen3", text=text, add_special_tokens=False))
+                if k >= 2:
+                    assert walks[0] == 0, k  # every chain it needs is held: no record read in the request
+                assert r.served_by == "local"
+                assert r.token_ids[:len(prev)] == prev, k  # this turn extends the last prompt + its output
+                sources.append(r.decision.source)
+                output = f"{k}, {k + 1},  {k + 2}.\n\nAnd — {k * 11} more!"
+                out_ids = _generated(ref, output) + ref.encode("<|im_end|>", add_special_tokens=False).ids
+                record = {"prompt_text": text, "prompt_token_ids": r.token_ids, "output_text": output,
+                          "output_token_ids": out_ids}
+                if batch:
+                    assert (await done(c.record_outputs("qwen3", [record]))).recorded == 1
+                else:
+                    assert (await done(c.record_output("qwen3", **record))).recorded_tokens > 0
+                prev = r.token_ids + out_ids
+                # The gap before the next turn, in which the write-behind builds the head.
+                assert await done(c.flush(10))
+                heads = (c._local if api == "sync" else c.local).get("qwen3").lookup.heads
+                deadline = time.monotonic() + 10
+                while heads.pending and time.monotonic() < deadline:
+                    await asyncio.sleep(0.005)
+                text += output + "<|im_end|>\n" + TURN.format(q=f"and then {k}?")
+            paths = c._local if api == "sync" else c.local
+            local = paths.get("qwen3") if paths is not None else None
+            assert local is not None
+            return sources, c.stats()["writes"], local.lookup.heads.used
+        finally:
+            await done(c.close())
+
+    sources, writes, heads_used = asyncio.run(main())
     assert sources[1:] == ["ar"] * 5, sources
     # Every prompt was short (skipped), and stored for its record by this process.
     assert writes.get("for_record") == 6 and writes.get("stored", 0) >= 6, writes
-    # Each record's chain was read into the memo right after it was stored (between turns).
+    # Each record's chain was offered for the write-behind to read once it was stored.
     assert writes.get("records_held") == 6, writes
+    assert heads_used >= 4  # the reply lists were built between turns
     assert sum(served_ar) >= 4, served_ar  # the native path served the turns after the first ones
