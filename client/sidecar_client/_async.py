@@ -193,7 +193,7 @@ class AsyncSidecarClient:
                                  finish_reason=finish_reason, stop_reason=stop_reason, cache_salt=cache_salt,
                                  prompt_add_special_tokens=prompt_add_special_tokens)
         resp = await self._call(self._stub.RecordOutput, req, timeout)
-        if resp.entries and self.local is not None:  # the next turn continues it: hold its chain now
+        if resp.entries and self.local is not None:  # its next turn reads its chain: have it read between turns
             self.local.hold_records(model, [(prompt_text, output_text, cache_salt or "")])
         return RecordResult(recorded_tokens=resp.recorded_tokens, stop_token_dropped=resp.stop_token_dropped,
                             entries=resp.entries)
@@ -210,7 +210,7 @@ class AsyncSidecarClient:
         # Records chain to their prompts' entries: store them first.
         await self._flush_for([(model, r.prompt_text, r.cache_salt) for r in reqs])
         resp = await self._call(self._stub.RecordOutputs, iter(reqs), timeout, tuple(metadata or ()))
-        if resp.recorded and self.local is not None:  # the next turns continue them: hold their chains now
+        if resp.recorded and self.local is not None:  # their next turns read their chains: between turns
             refused = {r.index for r in resp.refusals}
             self.local.hold_records(model, [(r.prompt_text, r.output_text, r.cache_salt) for i, r in enumerate(reqs)
                                         if i not in refused])

@@ -870,7 +870,7 @@ class LocalPaths:
 
     @property
     def idle(self) -> bool:
-        """True when no write is pending (a flush without ``records`` would return at once)."""
+        """True when no write is pending (a flush would return at once)."""
         return all(local.writer.idle for local in list(self._models.values()))
 
     def hold_records(self, model: str, records: Sequence[tuple[str, str, str]]) -> int:

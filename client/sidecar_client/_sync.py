@@ -184,7 +184,7 @@ class SidecarClient:
                                  finish_reason=finish_reason, stop_reason=stop_reason, cache_salt=cache_salt,
                                  prompt_add_special_tokens=prompt_add_special_tokens)
         resp = self._call(self._stub.RecordOutput, req, timeout)
-        if resp.entries and self._local is not None:  # the next turn continues it: hold its chain now
+        if resp.entries and self._local is not None:  # its next turn reads its chain: have it read between turns
             self._local.hold_records(model, [(prompt_text, output_text, cache_salt or "")])
         return RecordResult(recorded_tokens=resp.recorded_tokens, stop_token_dropped=resp.stop_token_dropped,
                             entries=resp.entries)
@@ -200,7 +200,7 @@ class SidecarClient:
         # Records chain to their prompts' entries: store them first.
         self._flush_for([(model, r.prompt_text, r.cache_salt) for r in reqs])
         resp = self._call(self._stub.RecordOutputs, iter(reqs), timeout)
-        if resp.recorded and self._local is not None:  # the next turns continue them: hold their chains now
+        if resp.recorded and self._local is not None:  # their next turns read their chains: between turns
             refused = {r.index for r in resp.refusals}
             self._local.hold_records(model, [(r.prompt_text, r.output_text, r.cache_salt) for i, r in enumerate(reqs)
                                         if i not in refused])
