@@ -305,6 +305,43 @@ class SmgFloor(Contender):
         return tokens
 
 
+class GeneratedOutput:
+    """The output a serving engine generated between a prompt and the next turn's text, as a
+    benchmark records it: the text from the prompt's end to the first added special token
+    after it, whose id ends the output (the end-of-turn token the model generated); its ids are
+    that text's canonical encoding, so kv-stable ids still equal ``tokenizers``'. Built lazily
+    (the reference tokenizer loads on first use)."""
+
+    def __init__(self, tokenizer_dir: Path) -> None:
+        self._dir = tokenizer_dir
+        self._ref: Any = None
+        self._added: Any = None
+
+    def load(self) -> GeneratedOutput:
+        """Load the reference tokenizer now (before a clock starts), once."""
+        if self._ref is None:
+            import tokenizers
+
+            self._ref = tokenizers.Tokenizer.from_file(str(self._dir / "tokenizer.json"))
+            added = sorted((t.content for t in self._ref.get_added_tokens_decoder().values() if t.special),
+                           key=len, reverse=True)
+            self._added = re.compile("|".join(map(re.escape, added)))
+        return self
+
+    def between(self, prompt: str, next_text: str) -> tuple[str, list[int]] | None:
+        """(output text, output ids), or None when ``next_text`` does not extend ``prompt`` (a
+        template that rewrote history, another conversation) or no output precedes the token."""
+        if not next_text.startswith(prompt):
+            return None
+        self.load()
+        rest = next_text[len(prompt):]
+        end = self._added.search(rest)
+        if end is None or end.start() == 0:
+            return None
+        out = rest[: end.start()]
+        return out, self._ref.encode(out, add_special_tokens=False).ids + [self._ref.token_to_id(end.group())]
+
+
 class TokcacheContender(Contender):
     """A tokcache sidecar as a subprocess (its own segment) and a ``SidecarClient`` for it.
 
@@ -325,8 +362,7 @@ class TokcacheContender(Contender):
         # plugin does, so kv-stable reads take recorded outputs (AR) into account: see prepare.
         self._record = record_outputs
         self._prev: tuple[str, list[int]] | None = None
-        self._ref: Any = None  # the reference tokenizer and a pattern of its special tokens (made once)
-        self._added: Any = None
+        self._outputs = GeneratedOutput(tokenizer_dir)
         if record_outputs:
             self.name, self.label = name or "tokcache-ar", "tokcache, outputs recorded (what vLLM's plugin does)"
         elif zero_rpc:
@@ -437,33 +473,17 @@ class TokcacheContender(Contender):
 
     def prepare(self, text: str) -> None:
         """Before the timed call for ``text`` (``record_outputs`` only): record the output that
-        took the previous prompt to this one — what a serving engine does once its response is
-        sent, before the client's next turn. The output is the text from the previous prompt's
-        end to the first added token after it, whose id ends the output (the end-of-turn token
-        the model generated); its ids are that text's canonical encoding, so the kv-stable ids
-        still equal ``tokenizers``' and are checked as everyone's. A text that does not extend
-        the previous prompt (a template that rewrote history) records nothing."""
+        took the previous prompt to this one (see GeneratedOutput) — what a serving engine does
+        once its response is sent, before the client's next turn. The ids are checked as
+        everyone's. A text that does not extend the previous prompt records nothing."""
         if not self._record or self._prev is None:
             return
         prompt, prompt_ids = self._prev
         self._prev = None
-        if not text.startswith(prompt):
+        got = self._outputs.between(prompt, text)
+        if got is None:
             return
-        if self._ref is None:
-            import re
-
-            import tokenizers
-
-            self._ref = tokenizers.Tokenizer.from_file(str(self._dir / "tokenizer.json"))
-            added = sorted((t.content for t in self._ref.get_added_tokens_decoder().values() if t.special),
-                           key=len, reverse=True)
-            self._added = re.compile("|".join(map(re.escape, added)))
-        rest = text[len(prompt):]
-        end = self._added.search(rest)
-        if end is None or end.start() == 0:
-            return
-        out = rest[: end.start()]
-        ids = self._ref.encode(out, add_special_tokens=False).ids + [self._ref.token_to_id(end.group())]
+        out, ids = got
         self._client.record_output(TOKCACHE_MODEL, prompt_text=prompt, prompt_token_ids=prompt_ids, output_text=out,
                                    output_token_ids=ids, stop_reason=None, prompt_add_special_tokens=self._add)
         # The gap before the next turn (the client reads the response, runs its tools): the

@@ -49,7 +49,7 @@ for p in (str(HERE), str(REPO)):
         sys.path.insert(0, p)
 
 import conversations  # noqa: E402
-from _contenders import ContenderUnavailable, SmgContender, TokcacheContender  # noqa: E402
+from _contenders import ContenderUnavailable, GeneratedOutput, SmgContender, TokcacheContender  # noqa: E402
 
 SEGMENT_CACHE_BYTES = 64 << 20
 CONTENDERS = ("fastokens", "fastokens+seg", "smg", "tokcache", "tokcache-rpc")
@@ -108,28 +108,15 @@ def _client(name: str, tok_dir: Path, target: str, smg_port: int) -> Any:
 
 def _recorder(client: Any, tok_dir: Path) -> Any:
     """record(prompt, prompt_ids, next_text): record the output that took ``prompt`` to
-    ``next_text`` — the text up to the first added token after the prompt, its canonical ids
-    and that token's id (see ``_contenders.TokcacheContender.prepare``); nothing when
-    ``next_text`` does not extend ``prompt`` (a rewritten history, another conversation)."""
-    import re
-
-    import tokenizers
-
-    ref = tokenizers.Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
-    added = sorted((t.content for t in ref.get_added_tokens_decoder().values() if t.special), key=len, reverse=True)
-    pattern = re.compile("|".join(map(re.escape, added)))
+    ``next_text`` (``_contenders.GeneratedOutput``); nothing when ``next_text`` does not extend
+    ``prompt`` (a rewritten history, another conversation)."""
+    outputs = GeneratedOutput(tok_dir).load()  # before the clock starts
 
     def record(prompt: str, prompt_ids: list[int], next_text: str) -> None:
-        if not next_text.startswith(prompt):
-            return
-        rest = next_text[len(prompt):]
-        end = pattern.search(rest)
-        if end is None or end.start() == 0:
-            return
-        out = rest[: end.start()]
-        ids = ref.encode(out, add_special_tokens=False).ids + [ref.token_to_id(end.group())]
-        client.record_output("bench", prompt_text=prompt, prompt_token_ids=prompt_ids, output_text=out,
-                             output_token_ids=ids, stop_reason=None)
+        got = outputs.between(prompt, next_text)
+        if got is not None:
+            client.record_output("bench", prompt_text=prompt, prompt_token_ids=prompt_ids, output_text=got[0],
+                                 output_token_ids=got[1], stop_reason=None)
 
     return record
 

@@ -29,7 +29,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Generic
+from typing import Any, Generic
 
 from tokcache.engine.boundaries import Scan
 from tokcache.engine.ids import IdFormat, Ids, Out
@@ -72,9 +72,9 @@ class Heads(Generic[Ids, Out]):
         self._heads: OrderedDict[Scan, tuple[int, int, Out]] = OrderedDict()  # scan -> (cut, tokens, head)
         self._ids = 0  # ids held in all
         self._pending: dict[Scan, Ready[Ids]] = {}
-        # AR key -> (tokens, head): heads of recorded outputs' chains (see build_key), newest last;
-        # and the ones offered, not built yet: AR key -> how to read its chain.
-        self._keyed: OrderedDict[bytes, tuple[int, Out]] = OrderedDict()
+        # AR key -> (0, tokens, head): heads of recorded outputs' chains (see build_key), newest
+        # last; and the ones offered, not built yet: AR key -> how to read its chain.
+        self._keyed: OrderedDict[bytes, tuple[int, int, Out]] = OrderedDict()
         self._pending_keys: dict[bytes, Callable[[], tuple[Ids, int] | None]] = {}
         self._declining = 0  # offers left to decline (see BACKOFF)
         self._offered_at = 0.0  # time.monotonic() of the last offer
@@ -91,6 +91,10 @@ class Heads(Generic[Ids, Out]):
     def offer(self, ready: Ready[Ids]) -> bool:
         """Note a head to build after the reply (the request path: no copy here); False when
         declined (see BACKOFF)."""
+        return self._note(self._pending, ready.scan, ready)
+
+    def _note(self, pending: dict[Any, Any], k: object, v: object) -> bool:
+        """An offer into ``pending`` (oldest forgotten past PENDING); False when declined."""
         if not self.enabled:
             return False
         if self._declining:
@@ -98,8 +102,7 @@ class Heads(Generic[Ids, Out]):
             return False
         with self._lock:
             self._offered_at = time.monotonic()
-            pending = self._pending
-            pending[ready.scan] = ready
+            pending[k] = v
             if len(pending) > PENDING:
                 del pending[next(iter(pending))]
         return True
@@ -113,18 +116,7 @@ class Heads(Generic[Ids, Out]):
     def offer_key(self, key: bytes, load: Callable[[], tuple[Ids, int] | None]) -> bool:
         """Note a head to build under AR key ``key`` after its record was stored: ``load()``
         reads the chain, (container, tokens) or None (no copy here); False when declined."""
-        if not self.enabled:
-            return False
-        if self._declining:
-            self._declining -= 1
-            return False
-        with self._lock:
-            self._offered_at = time.monotonic()
-            pending = self._pending_keys
-            pending[key] = load
-            if len(pending) > PENDING:
-                del pending[next(iter(pending))]
-        return True
+        return self._note(self._pending_keys, key, load)
 
     def build_pending(self) -> None:
         """Build the heads offered so far (the write-behind, between requests). A chain that
@@ -165,10 +157,16 @@ class Heads(Generic[Ids, Out]):
     def take(self, scan: Scan, cut: int, tokens: int) -> Out | None:
         """The head of ``scan``'s text up to byte ``cut`` holding ``tokens`` ids, now the
         caller's (no one else gets it), or None."""
+        return self._take(self._heads, self._pending, scan, cut, tokens)
+
+    def _take(self, heads: OrderedDict[Any, tuple[int, int, Out]], pending: dict[Any, Any], k: object, cut: int,
+              tokens: int) -> Out | None:
+        """Pop ``k``'s head from ``heads`` (its offer from ``pending``: not built in time, the
+        process is busy, so offers are declined for a while); return it if its cut and length match, else None."""
         with self._lock:
-            if self._pending.pop(scan, None) is not None:  # not built in time: the process is busy
+            if pending.pop(k, None) is not None:
                 self._declining = BACKOFF
-            got = self._heads.pop(scan, None)
+            got = heads.pop(k, None)
             if got is None:
                 return None
             self._ids -= got[1]
@@ -187,28 +185,18 @@ class Heads(Generic[Ids, Out]):
             keyed = self._keyed
             old = keyed.pop(key, None)
             if old is not None:
-                self._ids -= old[0]
-            keyed[key] = (tokens, head)
+                self._ids -= old[1]
+            keyed[key] = (0, tokens, head)
             self._ids += tokens
             self.built += 1
             while keyed and (self._ids > self._budget or len(keyed) > MAX_HEADS):
-                self._ids -= keyed.popitem(last=False)[1][0]
+                self._ids -= keyed.popitem(last=False)[1][1]
 
     def take_key(self, key: bytes, tokens: int) -> Out | None:
         """The head built for AR key ``key`` holding ``tokens`` ids, now the caller's, or None."""
         if not self._keyed and not self._pending_keys:
             return None
-        with self._lock:
-            if self._pending_keys.pop(key, None) is not None:  # not built in time: the process is busy
-                self._declining = BACKOFF
-            got = self._keyed.pop(key, None)
-            if got is None:
-                return None
-            self._ids -= got[0]
-            if got[0] != tokens:
-                return None
-            self.used += 1
-        return got[1]
+        return self._take(self._keyed, self._pending_keys, key, 0, tokens)
 
     def __len__(self) -> int:
         return len(self._heads) + len(self._keyed)
