@@ -949,3 +949,39 @@ def test_a_recorded_prompt_is_stored_by_its_reader_and_its_next_turn_takes_the_n
     assert writes.get("records_held") == 6, writes
     assert heads_used >= 4  # the reply lists were built between turns
     assert sum(served_ar) >= 4, served_ar  # the native path served the turns after the first ones
+
+
+def test_a_kept_write_is_stored_for_its_own_text_only(sidecar: tuple[SidecarProcess, int], qwen3_path: Path) -> None:
+    """Kept writes are filed under their text's length and last characters, not the whole
+    text (hashing it cost every request ~20 us at 57 KB): two prompts that share both replace
+    each other, and a record stores a kept write only for the very text it was made for. The
+    prompt whose write was replaced is stored by the sidecar instead; both next turns extend
+    prompt + output exactly."""
+    from sidecar_client._local import KEPT_KEY_CHARS
+
+    proc, _ = sidecar
+    ref = tokenizers.Tokenizer.from_file(str(qwen3_path / "tokenizer.json"))
+    tail = TURN.format(q="what comes next? " * (KEPT_KEY_CHARS // 16))
+    a = "<|im_start|>system\nYou are terse.<|im_end|>\n" + tail
+    b = "<|im_start|>system\nYou are brief.<|im_end|>\n" + tail  # same length, same last characters
+    assert len(a) == len(b) and a[-KEPT_KEY_CHARS:] == b[-KEPT_KEY_CHARS:] and a != b
+    with SidecarClient(proc.address) as c:
+        c.tokenize("qwen3", text="warm up")
+        ids = {t: c.tokenize("qwen3", text=t, add_special_tokens=False).token_ids for t in (a, b)}
+        assert c.flush(10)
+        for t in (a, b):
+            assert ids[t] == ref.encode(t, add_special_tokens=False).ids
+        before = c.stats()["writes"].get("for_record", 0)
+        output = "Then 1, 2,  3.\n\nDone!"
+        out_ids = _generated(ref, output) + ref.encode("<|im_end|>", add_special_tokens=False).ids
+        for t in (a, b):
+            assert c.record_output("qwen3", prompt_text=t, prompt_token_ids=ids[t], output_text=output,
+                                   output_token_ids=out_ids).recorded_tokens > 0
+        # a's kept write was replaced by b's (one key): only b's was stored by this process
+        assert c.stats()["writes"].get("for_record", 0) - before == 1
+        assert c.flush(10)
+        for t in (a, b):
+            nxt = t + output + "<|im_end|>\n" + TURN.format(q="and then?")
+            r = c.tokenize("qwen3", text=nxt, add_special_tokens=False)
+            assert r.token_ids[:len(ids[t]) + len(out_ids)] == ids[t] + out_ids
+            assert r.decision.source == "ar"
