@@ -15,7 +15,7 @@ from typing import Any
 __all__ = ["ENGINE_API", "engine", "load"]
 
 # The version of tokcache.engine._speedups' functions this code calls (its ``API``).
-ENGINE_API = 6
+ENGINE_API = 7
 
 
 def load(module: str, api: int) -> Any:  # noqa: ANN401 - the extension module, or None

@@ -777,11 +777,75 @@ static PyObject *py_untrack(PyObject *self, PyObject *ids) {
     return ids;
 }
 
+
+/* ---------------------------------------------------------------------------------- */
+/* join: a result list made once, at its final size.                                   */
+
+PyDoc_STRVAR(join_doc,
+"join(parts, n, prefix, suffix) -> list\n\n"
+"ids.ListFormat.result (the reference): ``prefix``, then the first ``n`` ids of ``parts`` (a\n"
+"tuple of (list, length) pairs: the first ``length`` items of each list, in order), then\n"
+"``suffix``, as one new list allocated once at its final size. Growing a list part by part\n"
+"reallocates it as it grows: a few reallocations of ~120 KB per 57 KB prompt, each a\n"
+"malloc that also consolidates the allocator's free small chunks (cold when many processes\n"
+"share the cores). ValueError when a part's length exceeds its list's.");
+
+static PyObject *py_join(PyObject *self, PyObject *args) {
+    PyObject *parts, *prefix_in, *suffix_in;
+    Py_ssize_t n;
+    if (!PyArg_ParseTuple(args, "O!nOO", &PyTuple_Type, &parts, &n, &prefix_in, &suffix_in)) return NULL;
+    PyObject *prefix = PySequence_Fast(prefix_in, "join: prefix must be a sequence");
+    if (prefix == NULL) return NULL;
+    PyObject *suffix = PySequence_Fast(suffix_in, "join: suffix must be a sequence");
+    if (suffix == NULL) {
+        Py_DECREF(prefix);
+        return NULL;
+    }
+    PyObject *out = NULL;
+    Py_ssize_t np = PyTuple_GET_SIZE(parts), left = n < 0 ? 0 : n, total = 0, last = 0;
+    for (; last < np && left > 0; last++) { /* validate and count: parts[:last] are used */
+        PyObject *pair = PyTuple_GET_ITEM(parts, last);
+        if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2 || !PyList_Check(PyTuple_GET_ITEM(pair, 0))) {
+            PyErr_SetString(PyExc_TypeError, "join: parts must be (list, length) pairs");
+            goto done;
+        }
+        Py_ssize_t ln = PyLong_AsSsize_t(PyTuple_GET_ITEM(pair, 1));
+        if (ln == -1 && PyErr_Occurred()) goto done;
+        if (ln < 0 || ln > PyList_GET_SIZE(PyTuple_GET_ITEM(pair, 0))) {
+            PyErr_SetString(PyExc_ValueError, "join: a part's length exceeds its list");
+            goto done;
+        }
+        Py_ssize_t take = ln < left ? ln : left;
+        total += take;
+        left -= take;
+    }
+    Py_ssize_t npre = PySequence_Fast_GET_SIZE(prefix), nsuf = PySequence_Fast_GET_SIZE(suffix);
+    out = PyList_New(npre + total + nsuf);
+    if (out == NULL) goto done;
+    PyObject **dst = ((PyListObject *)out)->ob_item, **src = PySequence_Fast_ITEMS(prefix);
+    for (Py_ssize_t i = 0; i < npre; i++) *dst++ = Py_NewRef(src[i]);
+    left = total;
+    for (Py_ssize_t k = 0; k < last && left > 0; k++) {
+        PyObject *pair = PyTuple_GET_ITEM(parts, k);
+        Py_ssize_t ln = PyLong_AsSsize_t(PyTuple_GET_ITEM(pair, 1)), take = ln < left ? ln : left;
+        src = ((PyListObject *)PyTuple_GET_ITEM(pair, 0))->ob_item;
+        for (Py_ssize_t i = 0; i < take; i++) *dst++ = Py_NewRef(src[i]);
+        left -= take;
+    }
+    src = PySequence_Fast_ITEMS(suffix);
+    for (Py_ssize_t i = 0; i < nsuf; i++) *dst++ = Py_NewRef(src[i]);
+done:
+    Py_DECREF(prefix);
+    Py_DECREF(suffix);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"common_prefix", py_common_prefix, METH_VARARGS, common_prefix_doc},
     {"untrack", py_untrack, METH_O, untrack_doc},
     {"cut_tokens", py_cut_tokens, METH_VARARGS, cut_tokens_doc},
     {"extend", py_extend, METH_VARARGS, extend_doc},
+    {"join", py_join, METH_VARARGS, join_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -817,7 +881,7 @@ PyMODINIT_FUNC PyInit__speedups(void) {
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
     Py_INCREF(&MatcherType);
-    if (PyModule_AddIntConstant(m, "API", 6) < 0 || PyModule_AddObject(m, "Matcher", (PyObject *)&MatcherType) < 0) {
+    if (PyModule_AddIntConstant(m, "API", 7) < 0 || PyModule_AddObject(m, "Matcher", (PyObject *)&MatcherType) < 0) {
         Py_DECREF(&MatcherType);
         Py_DECREF(m);
         return NULL;

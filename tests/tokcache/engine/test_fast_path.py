@@ -340,3 +340,39 @@ def test_no_head_where_a_recorded_output_may_apply(engine: ModelEngine, model: R
         reader.close()
         store.unlink()
         store.close()
+
+
+def test_native_join_equals_the_python_result(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ListFormat.result in C (``_speedups.join``: the list allocated once at its final size)
+    returns what the Python reference does, for parts cut anywhere, with and without affixes;
+    the result is a new list (the parts are untouched) and bad parts are errors, not ids."""
+    from tokcache.engine import ids as ids_mod
+
+    native = ids_mod._native
+    if native is None:
+        pytest.skip("the native extension is not built")
+    rng = random.Random("join")
+    for _ in range(400):
+        parts = []
+        for _ in range(rng.randrange(0, 6)):
+            ref = [rng.randrange(1 << 17) for _ in range(rng.randrange(0, 40))]
+            parts.append((ref, rng.randrange(0, len(ref) + 1)))
+        chunks = Chunks(tuple(parts), sum(ln for _, ln in parts))
+        n = rng.randrange(-1, chunks.n + 3)
+        prefix = tuple(rng.randrange(1000) for _ in range(rng.randrange(0, 3)))
+        suffix = tuple(rng.randrange(1000) for _ in range(rng.randrange(0, 3)))
+        before = [list(ref) for ref, _ in parts]
+        got = LISTS.result(chunks, n, prefix, suffix)
+        monkeypatch.setattr(ids_mod, "_native", None)
+        want = LISTS.result(chunks, n, prefix, suffix)
+        monkeypatch.setattr(ids_mod, "_native", native)
+        assert got == want and type(got) is list, (parts, n, prefix, suffix)
+        assert [ref for ref, _ in parts] == before
+        if parts and got:
+            assert got is not parts[0][0]
+    with pytest.raises(ValueError):
+        native.join((([1, 2], 3),), 3, (), ())
+    with pytest.raises(TypeError):
+        native.join(((1, 2),), 3, (), ())
+    with pytest.raises(TypeError):
+        native.join((([1, 2], 2),), 2, None, ())
