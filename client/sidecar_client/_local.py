@@ -538,7 +538,8 @@ class LocalModel:
         self.settler = Settler(self.lookup.settle, self._hand_off)
         writer.attach(self.settler)
         self._writable = writable
-        # (text, salt) -> kv-stable write skipped for its size, newest last (see KEPT_FOR_RECORD).
+        # _kept_key(text, salt) -> (text, kv-stable write skipped for its size), newest last (see
+        # KEPT_FOR_RECORD and KEPT_KEY_CHARS).
         self._kept: OrderedDict[tuple[int, str, str], tuple[str, PendingWrite[Chunks]]] = OrderedDict()
         self._kept_lock = threading.Lock()
         self._manifest_raw = manifest_raw
