@@ -180,7 +180,6 @@ class Settler:
         self._hand_off = hand_off
         self._items: deque[tuple[Later[Chunks], str, str, str]] = deque()
         self._lock = threading.Lock()  # held while settling: one at a time, in order
-        self._offered_at = 0.0
 
     @property
     def pending(self) -> bool:
@@ -188,12 +187,8 @@ class Settler:
         return bool(self._items)
 
     def add(self, later: Later[Chunks], text: str, salt: str, mode: str) -> None:
+        """Queue a read's bookkeeping (its request noted itself: WriteBehind.note_request)."""
         self._items.append((later, text, salt, mode))
-        self._offered_at = time.monotonic()
-
-    def quiet_in(self, quiet_s: float) -> float:
-        """Seconds until nothing was added for ``quiet_s`` (<= 0: now), as Heads.quiet_in."""
-        return self._offered_at + quiet_s - time.monotonic()
 
     def run(self) -> None:
         """Settle everything queued, in order. Never raises."""
@@ -292,11 +287,13 @@ class WriteBehind:
         HEADS_QUIET_S. (A single float store, no lock: the background thread only compares it.)"""
         self._request_at = time.monotonic()
 
-    def _quiet_in(self, offered_left: float) -> float:
-        """Seconds until a pause: nothing offered (``offered_left``, from Settler/Heads.quiet_in)
-        and no request begun, for HEADS_QUIET_S. Heads are not offered by every request: judged
-        by offers alone, a "pause" came whenever a few requests offered none, and each cost a
-        look and a GIL hand-off while requests kept coming (CI: 43 looks in a 1 s burst)."""
+    def _quiet_in(self, offered_left: float = 0.0) -> float:
+        """Seconds until a pause (<= 0: now): no request begun for HEADS_QUIET_S and, for heads,
+        none offered (``offered_left``: Heads.quiet_in; heads are also offered outside requests,
+        by records and the background settling). Reads' bookkeeping is only queued by requests,
+        so the request time is its own. Heads are not offered by every request: judged by offers
+        alone, a "pause" came whenever a few requests offered none, and each cost a look and a
+        GIL hand-off while requests kept coming (CI: 43 looks in a 1 s burst)."""
         return max(offered_left, self._request_at + HEADS_QUIET_S - time.monotonic())
 
     def poke(self) -> None:
@@ -399,7 +396,7 @@ class WriteBehind:
                     settler = self.settler
                     wait_s = WRITER_TICK_S
                     if settler.pending:  # settled once requests pause, before writes (it makes them)
-                        left = self._quiet_in(settler.quiet_in(HEADS_QUIET_S))
+                        left = self._quiet_in()
                         if left <= 0:
                             settle = True
                             break
