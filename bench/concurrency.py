@@ -66,8 +66,9 @@ def percentile(values: list[float], q: float) -> float | None:
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
-def _client(name: str, tok_dir: Path, target: str, smg_port: int) -> Any:
-    """A callable text -> list[int] for contender ``name``, built in the child process."""
+def _client(name: str, tok_dir: Path, target: str, smg_port: int, texts: list[str]) -> Any:
+    """A callable text -> list[int] for contender ``name``, built in the child process (``texts``: the
+    turns it will replay, for ``tokcache-ar``'s outputs)."""
     tj = tok_dir / "tokenizer.json"
     if name.startswith("fastokens"):
         import fastokens
@@ -102,21 +103,24 @@ def _client(name: str, tok_dir: Path, target: str, smg_port: int) -> Any:
 
     tc.client = client  # type: ignore[attr-defined]
     if name == "tokcache-ar":
-        tc.record = _recorder(client, tok_dir)  # type: ignore[attr-defined]
+        tc.record = _recorder(client, tok_dir, texts)  # type: ignore[attr-defined]
     return tc
 
 
-def _recorder(client: Any, tok_dir: Path) -> Any:
-    """record(prompt, prompt_ids, next_text): record the output that took ``prompt`` to
-    ``next_text`` (``_contenders.GeneratedOutput``); nothing when ``next_text`` does not extend
-    ``prompt`` (a rewritten history, another conversation)."""
-    outputs = GeneratedOutput(tok_dir).load()  # before the clock starts
+def _recorder(client: Any, tok_dir: Path, texts: list[str]) -> Any:
+    """record(i, prompt_ids): record the output that took ``texts[i]`` to ``texts[i + 1]``
+    (``_contenders.GeneratedOutput``); nothing when that text does not extend it (a rewritten
+    history, another conversation). The outputs are derived here, before the clock starts: a
+    serving engine has them for free, so their derivation (an encode per turn) is not the
+    contender's CPU."""
+    outputs = GeneratedOutput(tok_dir).load()
+    got = [outputs.between(a, b) for a, b in zip(texts, texts[1:], strict=False)]
 
-    def record(prompt: str, prompt_ids: list[int], next_text: str) -> None:
-        got = outputs.between(prompt, next_text)
-        if got is not None:
-            client.record_output("bench", prompt_text=prompt, prompt_token_ids=prompt_ids, output_text=got[0],
-                                 output_token_ids=got[1], stop_reason=None)
+    def record(i: int, prompt_ids: list[int]) -> None:
+        out = got[i] if i < len(got) else None
+        if out is not None:
+            client.record_output("bench", prompt_text=texts[i], prompt_token_ids=prompt_ids, output_text=out[0],
+                                 output_token_ids=out[1], stop_reason=None)
 
     return record
 
@@ -131,7 +135,7 @@ def _child(name: str, index: int, args: dict[str, Any], barrier: Any, out: Any) 
         seeds = [args["seed"] + 1000 * index + k for k in range(args["passes"])]
         texts = [t for s in seeds for t in conversations.generate(s, render, args["turns"], args["target"]).texts]
         ref = tokenizers.Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
-        fn = _client(name, tok_dir, args["target_addr"], args["smg_port"])
+        fn = _client(name, tok_dir, args["target_addr"], args["smg_port"], texts)
         fn("warm-up: hello")  # connect / map / load before the clock starts
         record = getattr(fn, "record", None)
         barrier.wait(timeout=600)
@@ -144,8 +148,8 @@ def _child(name: str, index: int, args: dict[str, Any], barrier: Any, out: Any) 
             s = time.perf_counter_ns()
             ids = fn(text)
             lat.append((time.perf_counter_ns() - s) / 1000)
-            if record is not None and i + 1 < len(texts):
-                record(text, ids, texts[i + 1])
+            if record is not None:
+                record(i, ids)
             if args["check"] and i % args["check"] == 0:
                 kept.append((i, ids))  # checked after the clock stops
         wall = time.perf_counter() - t0

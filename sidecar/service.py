@@ -404,7 +404,7 @@ class TokenizerService(pb_grpc.TokenizerServicer):  # generated base class, unty
         which = r.WhichOneof("stop_reason_kind")
         try:
             out = engine.record_output(
-                prompt_text=r.prompt_text, prompt_ids=unpack_ids(r.prompt_token_ids),
+                prompt_text=r.prompt_text, prompt_ids=r.prompt_token_ids,
                 output_text=r.output_text, output_ids=unpack_ids(r.output_token_ids),
                 finish_reason=r.finish_reason,
                 stop_token_id=r.stop_token_id if which == "stop_token_id" else None,

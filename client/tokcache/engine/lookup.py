@@ -696,6 +696,19 @@ class Lookup(Generic[Ids, Out]):
         self.memo.put(found.own, ids, {key: found.own.n})
         return ids, tokens
 
+    def stored_exact(self, key: bytes) -> Ids | None:
+        """The ids stored under ``key``, a text's L0 key (``tokcache.store.keys.l0_key``), or
+        None (absent, unreadable, a failing store). When present they are what :meth:`tokenize`
+        serves for that text (its exact hit, probed first), found without scanning the text."""
+        store = self.store
+        if store is None:
+            return None
+        try:
+            found = self._read(store, key)
+        except StoreError:
+            return None
+        return None if found is None else found[0]
+
     def hold(self, key: bytes) -> bool:
         """Offer a head of ``key``'s chain (see tokcache.engine.heads): whoever builds heads
         reads the chain into the memo and copies it, so the request whose prefix AR hit is

@@ -108,6 +108,31 @@ def test_poisoned_records_are_refused_and_leave_no_trace(engine: ModelEngine) ->
     assert _ids(o2.ids) == engine.reference.encode(p2)
 
 
+def test_prompt_ids_packed_or_listed_record_the_same(engine: ModelEngine) -> None:
+    """RecordOutput hands the prompt ids over packed (compared with the stored prompt as they
+    are); a Python caller passes a list. Both chain the record to the prompt; a prompt never
+    tokenized is looked up (and stored) by the record itself; bad ids are refused by field."""
+    generated = noncanonical(engine, ANSWER)
+    for packed in (False, True):
+        salt = uuid.uuid4().hex
+        msgs: list[dict[str, Any]] = [{"role": "user", "content": f"packed={packed}"}]
+        # A prompt this engine never served: its canonical ids, recorded before any Tokenize.
+        p1 = engine.render(msgs, add_generation_prompt=True)
+        canonical = engine.reference.encode(p1)
+        prompt_ids: Any = b"".join(i.to_bytes(4, "little") for i in canonical) if packed else canonical
+        res = engine.record_output(prompt_text=p1, prompt_ids=prompt_ids, output_text=ANSWER,
+                                   output_ids=generated + [_eos(engine)], salt=salt)
+        assert res.recorded_tokens == len(generated) and res.entries >= 1
+        msgs += [{"role": "assistant", "content": ANSWER}, {"role": "user", "content": "next"}]
+        p2, o2 = _turn(engine, msgs, salt)
+        assert o2.decision.source == "ar"
+        assert _ids(o2.ids)[:len(canonical) + len(generated)] == canonical + generated
+    for bad in ([1, -1], [1, "2"], b"\x01\x00\x00"):
+        with pytest.raises(InvalidRequest) as exc:
+            engine.record_output(prompt_text=p1, prompt_ids=bad, output_text=ANSWER, output_ids=generated, salt=salt)
+        assert exc.value.field == "prompt_token_ids", bad
+
+
 def test_identical_output_in_another_conversation_is_spliced(engine: ModelEngine) -> None:
     salt = uuid.uuid4().hex
     p1, o1 = _turn(engine, [{"role": "user", "content": "first conversation"}], salt)
