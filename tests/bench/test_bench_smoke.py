@@ -66,10 +66,10 @@ def test_quick_run_checks_every_contender(tmp_path: Path) -> None:
 @pytest.mark.skipif(_sidecar_missing() is not None, reason=str(_sidecar_missing()))
 def test_concurrency_quick_run_counts_requests_and_cpu(tmp_path: Path) -> None:
     """bench/concurrency.py: every run answers with the reference's ids, and CPU per request
-    is accounted on both sides (the sidecar's shows when it serves RPCs)."""
+    is accounted on both sides (the sidecar's shows when it serves RPCs or records)."""
     proc = subprocess.run(
         [sys.executable, str(REPO / "bench" / "concurrency.py"), "--quick", "--contenders",
-         "fastokens+seg,tokcache,tokcache-rpc", "--check", "1", "--out-dir", str(tmp_path)],
+         "fastokens+seg,tokcache,tokcache-rpc,tokcache-ar", "--check", "1", "--out-dir", str(tmp_path)],
         capture_output=True, text=True, timeout=300, cwd=REPO,
     )
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
@@ -84,6 +84,10 @@ def test_concurrency_quick_run_counts_requests_and_cpu(tmp_path: Path) -> None:
         assert runs["tokcache-rpc"]["served_by_local"] == 0
         assert runs["tokcache-rpc"]["server_cpu_us_per_req"] > 0  # the sidecar encodes
         assert "tokcache/fastokens+seg CPU/req" in result["ratios"][procs]
+        # tokcache-ar records each turn's output (derived before the clock): the reader stores the
+        # prompts its records chain to, and the sidecar verifies and stores the records.
+        assert runs["tokcache-ar"]["writes"].get("for_record", 0) > 0, runs["tokcache-ar"]["writes"]
+        assert runs["tokcache-ar"]["server_cpu_us_per_req"] > 0
     assert "CPU per request" in proc.stdout and "Voluntary context switches per request" in proc.stdout
     # Every tokcache-rpc request waits for its reply (about a millisecond): a switch or more each.
     assert all(runs["tokcache-rpc"]["vol_csw_per_req"] >= 0.5 for runs in result["runs"].values())
