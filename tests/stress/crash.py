@@ -25,6 +25,7 @@ import grpc
 import posix_ipc
 
 from tests.stress.harness import Item, SidecarProc, Workload, channel, shm_usage, stub, unpack
+from tokcache.store._layout import W_LOCK_EPOCH
 from tokcache.v1 import tokenizer_pb2 as pb
 
 CACHED = (pb.CACHE_SOURCE_L0, pb.CACHE_SOURCE_L1, pb.CACHE_SOURCE_AR)
@@ -92,18 +93,32 @@ def _shm_state(prefix: str) -> tuple[int, int, int, int]:
     return usage.count, usage.allocated, size, segment
 
 
-def _lock_held(prefix: str) -> bool:
-    for usage_name in shm_usage(prefix).names:
+def _held_epoch(prefix: str) -> int | None:
+    """The writer lock's acquisition epoch (W_LOCK_EPOCH in the segment header) while its
+    semaphore is held (value 0), else None."""
+    usage = shm_usage(prefix)
+    held = False
+    for usage_name in usage.names:
         if usage_name.startswith("sem.") and usage_name.endswith(".lock"):
             try:
                 sem = posix_ipc.Semaphore("/" + usage_name[len("sem."):])
             except posix_ipc.Error:
                 continue
             try:
-                return bool(sem.value == 0)
+                held = sem.value == 0
             finally:
                 sem.close()
-    return False
+    if not held:
+        return None
+    for usage_name in usage.names:
+        if not usage_name.startswith("sem."):
+            try:
+                with (Path("/dev/shm") / usage_name).open("rb") as f:
+                    f.seek(8 * W_LOCK_EPOCH)
+                    return int.from_bytes(f.read(8), "little")
+            except OSError:
+                continue
+    return -1  # held, segment unreadable: counted as a new holder
 
 
 class _Load:
@@ -192,6 +207,7 @@ def run_crash_cycles(
     report = CrashReport(cycles, threads, 0, len(workload.items), workload.text_bytes)
     started = time.monotonic()
     previous: list[Item] = []
+    counted_epoch: int | None = None  # the lock epoch of the last kill counted as holding it
     for cycle in range(cycles):
         early = rng.random() < before_ready
         delay = rng.uniform(*kill_window)
@@ -226,7 +242,13 @@ def run_crash_cycles(
         except BaseException:  # SIGTERM/Ctrl-C/failure: leave no sidecar behind
             proc.kill()
             raise
-        result.died_holding_lock = _lock_held(prefix)
+        # A kill that left the lock held by a holder not counted yet (a new epoch). A lock left
+        # held by an earlier life stays held through lives that never write (killed while
+        # loading, or before their first write): counted once, as it is recovered once.
+        epoch = _held_epoch(prefix)
+        result.died_holding_lock = epoch is not None and epoch != counted_epoch
+        if result.died_holding_lock:
+            counted_epoch = epoch
         result.shm_objects, result.shm_allocated, result.shm_size, result.segment_allocated = _shm_state(prefix)
         report.requests_ok += result.ok
         report.wrong_answers += result.wrong
