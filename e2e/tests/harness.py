@@ -205,12 +205,16 @@ class VllmServer:
                                          start_new_session=True)
         return self
 
-    def wait_ready(self, timeout: float = 360.0) -> VllmServer:
+    def wait_ready(self, timeout: float = 600.0) -> VllmServer:
         assert self.proc is not None, "launch() first"
         if self.ready_s is not None:
             return self
         deadline = self.started_at + timeout
-        while time.monotonic() < deadline:
+        # Asked at least once: the servers are launched together at the start of the session and a
+        # server first used late (test_06's) may be asked after its deadline, ready since long
+        # (a slow VM's earlier tests outlasted it: "not ready in 360s" with no check made). Five
+        # servers starting at once on 2 slow cores took 250-347 s to answer: hence 600 s.
+        while True:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"vLLM {self.name} exited {self.proc.returncode}:\n{self.log_tail()}")
             try:
@@ -226,6 +230,8 @@ class VllmServer:
                     return self
             except (urllib.error.URLError, OSError):
                 pass
+            if time.monotonic() >= deadline:
+                break
             time.sleep(0.5)
         self.stop()
         raise RuntimeError(f"vLLM {self.name} not ready in {timeout}s:\n{self.log_tail()}")
