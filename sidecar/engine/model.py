@@ -23,7 +23,7 @@ from tokcache.engine.ids import BYTES
 from tokcache.engine.lookup import Decision, Limits, Lookup, PendingWrite, commit, utf8
 from tokcache.engine.memo import ChainMemo
 from tokcache.engine.tokenizer import Manifest, Proven, fingerprint_of, prove
-from tokcache.ids import le_bytes, unpack_ids
+from tokcache.ids import le_bytes, pack_ids, unpack_ids
 from tokcache.sidecar.engine.ar import segment_variants, verify_output, verify_segment
 from tokcache.sidecar.engine.render import ChatRenderer
 from tokcache.sidecar.engine.tokenbytes import TokenBytes
@@ -217,7 +217,7 @@ class ModelEngine:
             special_ids=self.special_ids, decode=self._decode)
         # The prompt: what we serve for it (kv-stable), or its canonical ids.
         data = utf8(prompt_text, "prompt_text")
-        affix_pre = le_bytes(array("I", self.affixes.prefix)) if prompt_add_special_tokens else b""
+        affix_pre = pack_ids(self.affixes.prefix) if prompt_add_special_tokens else b""
         if prompt_add_special_tokens and self.affixes.suffix:
             raise InvalidRequest("prompt_add_special_tokens",
                                  "this tokenizer appends special tokens to prompts; outputs cannot follow them")
@@ -303,7 +303,7 @@ class ModelEngine:
     def _pack_prompt(ids: list[int]) -> bytes:
         """Prompt ids as packed LE uint32; InvalidRequest for an id that is not one."""
         try:
-            return le_bytes(array("I", ids))
+            return pack_ids(ids)
         except (OverflowError, TypeError) as exc:
             raise InvalidRequest("prompt_token_ids", f"expected ints in [0, 2**32): {exc}") from None
 
