@@ -76,6 +76,7 @@ class Heads(Generic[Ids, Out]):
         # last; and the ones offered, not built yet: AR key -> how to read its chain.
         self._keyed: OrderedDict[bytes, tuple[int, int, Out]] = OrderedDict()
         self._pending_keys: dict[bytes, Callable[[], tuple[Ids, int] | None]] = {}
+        self._building = 0  # build_pending calls under way (what they took is not built yet)
         self._declining = 0  # offers left to decline (see BACKOFF)
         self._offered_at = 0.0  # time.monotonic() of the last offer
         self.enabled = True  # False: every offer is declined (a benchmark's on/off switch)
@@ -85,8 +86,9 @@ class Heads(Generic[Ids, Out]):
 
     @property
     def pending(self) -> bool:
-        """Whether heads were offered and not built yet."""
-        return bool(self._pending) or bool(self._pending_keys)
+        """Whether heads were offered and not built yet (taken by a build still under way
+        counts: its chain reads are not done)."""
+        return bool(self._pending) or bool(self._pending_keys) or self._building > 0
 
     def offer(self, ready: Ready[Ids]) -> bool:
         """Note a head to build after the reply (the request path: no copy here); False when
@@ -125,15 +127,20 @@ class Heads(Generic[Ids, Out]):
         with self._lock:
             todo, self._pending = self._pending, {}
             keys, self._pending_keys = self._pending_keys, {}
-        for ready in todo.values():
-            self.build(ready)
-        for key, load in keys.items():
-            try:
-                got = load()
-            except Exception:  # noqa: BLE001 - a head is an optimisation: the request reads the chain itself
-                got = None
-            if got is not None:
-                self.build_key(key, got[0], got[1])
+            self._building += 1
+        try:
+            for ready in todo.values():
+                self.build(ready)
+            for key, load in keys.items():
+                try:
+                    got = load()
+                except Exception:  # noqa: BLE001 - a head is an optimisation: the request reads the chain itself
+                    got = None
+                if got is not None:
+                    self.build_key(key, got[0], got[1])
+        finally:
+            with self._lock:
+                self._building -= 1
 
     def build(self, ready: Ready[Ids]) -> None:
         """Copy ``ready``'s ids into a head of their own (off the request path), unless a

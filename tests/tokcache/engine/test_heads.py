@@ -202,3 +202,26 @@ def test_a_recorded_outputs_head_is_offered_then_built_between_requests_or_dropp
     assert heads.offer_key(b"d" * 16, load(b"d" * 16, 2))
     assert heads.take_key(b"d" * 16, 2) is None
     assert not heads.pending and not heads.offer_key(b"e" * 16, load(b"e" * 16, 2))
+
+
+def test_a_head_being_built_is_still_pending() -> None:
+    """A build under way (another thread reading the chain) keeps ``pending`` true until the
+    head is built: whoever waits for the heads (a flush, a test, a benchmark's pause between
+    turns) would otherwise go on while the chain is still being read, and its next request
+    would read the chain itself."""
+    heads: Heads[Chunks, list[int]] = Heads(LISTS)
+    reading, release = threading.Event(), threading.Event()
+
+    def load() -> tuple[Chunks, int] | None:
+        reading.set()
+        release.wait(10)
+        return LISTS.from_list([1, 2, 3]), 3
+
+    assert heads.offer_key(b"k" * 16, load)
+    builder = threading.Thread(target=heads.build_pending)
+    builder.start()
+    assert reading.wait(10)
+    assert heads.pending  # taken from the offers, not built yet
+    release.set()
+    builder.join(10)
+    assert not heads.pending and heads.take_key(b"k" * 16, 3) == [1, 2, 3]
