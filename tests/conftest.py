@@ -14,6 +14,29 @@ from tokcache.sidecar.bundled import llama32_dir, qwen3_dir
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
+# Tests marked ``once`` run on the default Python only (``make unit``); the other supported
+# Pythons (``make unit-pythons``) run the rest (``-m "not once"``). These are the ones that
+# start processes and drive them under load, time or kills — real sidecars, crash cycles, fuzz
+# campaigns, benchmark smoke runs, packaging, lint — where the Python version changes nothing
+# the library-level tests do not already cover, and which take three quarters of the suite's
+# time (the whole suite once per Python did not fit CI's 90 minutes). The RPC API's own tests
+# (test_server, test_ar_grpc) and every library-level test run on each Python.
+_ONCE = ("integration/", "bench/", "stress/", "fuzz/", "deploy/", "test_packaging.py", "test_lint.py",
+         "telemetry/test_shutdown.py")
+_EVERY_PYTHON = ("integration/test_server.py", "integration/test_ar_grpc.py")
+_TESTS = Path(__file__).parent
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "once: runs on the default Python only (see tests/conftest.py)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        rel = Path(str(item.fspath)).relative_to(_TESTS).as_posix()
+        if rel.startswith(_ONCE) and not rel.startswith(_EVERY_PYTHON):
+            item.add_marker(pytest.mark.once)
+
 
 @pytest.fixture(scope="session")
 def qwen3_path() -> Path:
