@@ -23,7 +23,10 @@ cores, each with its own fresh server and cache:
 
 Per contender and P: requests per second over the whole run (all processes started together
 at a barrier, until the last one finishes), and p50/p99 latency of every request. Every
-``--check``-th request's ids are compared with ``tokenizers``.
+``--check``-th request's ids are compared with ``tokenizers``. With ``--rounds N`` every
+contender runs N times per P, in alternating order; each is reported by its median run and
+each ratio is the median of the N rounds' ratios (a noisy 2-core machine moves one run's
+req/s by +-20%; a ratio between neighbouring runs moves less).
 
 Run: ``python bench/concurrency.py`` (``--quick``: P = 1, 4 and fewer turns). Writes
 ``bench/out/concurrency.{json,png}``.
@@ -37,6 +40,7 @@ import multiprocessing as mp
 import os
 import platform
 import resource
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -267,6 +271,38 @@ def run_one(name: str, procs: int, args: argparse.Namespace, tok_dir: Path) -> d
                                    for r in results for k in ("miss", "l0", "l1", "ar"))}
 
 
+RATIOS = (("tokcache", "fastokens+seg"), ("tokcache", "fastokens"), ("tokcache", "smg"), ("tokcache-rpc", "smg"),
+          ("tokcache", "tokcache-rpc"), ("tokcache-ar", "fastokens+seg"), ("tokcache-ar", "smg"),
+          ("tokcache-ar", "tokcache"))
+
+
+def ratios_of(runs: dict[str, Any]) -> dict[str, float]:
+    """req/s and CPU-per-request ratios between contenders of one round (RATIOS; those that ran)."""
+    def ok(n: str) -> dict[str, Any] | None:
+        r = runs.get(n)
+        return r if r and r["status"] == "ok" else None
+
+    out: dict[str, float] = {}
+    for num, den in RATIOS:
+        a, b = ok(num), ok(den)
+        if a and b:
+            out[f"{num}/{den} req/s"] = a["req_per_s"] / b["req_per_s"]
+            ca = a["client_cpu_us_per_req"] + a["server_cpu_us_per_req"]
+            cb = b["client_cpu_us_per_req"] + b["server_cpu_us_per_req"]
+            if ca and cb:
+                out[f"{num}/{den} CPU/req"] = ca / cb
+    return out
+
+
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run a contender is reported by across rounds: a failed one if any (never hidden),
+    else the one with the median req/s (the lower middle of an even count)."""
+    for r in runs:
+        if r["status"] != "ok":
+            return r
+    return sorted(runs, key=lambda r: r["req_per_s"])[(len(runs) - 1) // 2]
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--procs", default="1,4,16", help="client process counts (default 1,4,16)")
@@ -277,6 +313,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--target-bytes", type=int, default=conversations.DEFAULT_TARGET_BYTES)
     ap.add_argument("--seed", type=int, default=100)
     ap.add_argument("--check", type=int, default=10, help="compare every N-th request's ids (0: never)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="runs of every contender per P, in alternating order; each contender is reported by its "
+                         "median run and each ratio is the median of the rounds' ratios (default 1)")
     ap.add_argument("--quick", action="store_true", help="P = 1, 4; 1 pass of 12 turns")
     ap.add_argument("--tokenizer-dir", type=Path, default=None)
     ap.add_argument("--out-dir", type=Path, default=HERE / "out")
@@ -288,6 +327,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     unknown = set(args.contender_list) - set(CONTENDERS + OPT_IN)
     if unknown:
         ap.error(f"unknown contenders {sorted(unknown)}")
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
     return args
 
 
@@ -299,46 +340,41 @@ def main(argv: list[str] | None = None) -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     res: dict[str, Any] = {
         "benchmark": "concurrency",
-        "config": {"procs": args.proc_list, "passes": args.passes, "turns": args.turns,
+        "config": {"procs": args.proc_list, "rounds": args.rounds, "passes": args.passes, "turns": args.turns,
                    "target_bytes": args.target_bytes, "tokenizer_dir": str(tok_dir), "seed": args.seed},
         "environment": {"python": platform.python_version(), "cpus": os.cpu_count(),
                         "loadavg_at_start": list(os.getloadavg())},
-        "runs": {},
+        "runs": {}, "ratios": {}, "rounds": {},
     }
     code = 0
     for procs in args.proc_list:
-        for name in args.contender_list:
-            print(f"P={procs:>2} {name} ...", file=sys.stderr, flush=True)
-            r = run_one(name, procs, args, tok_dir)
-            res["runs"].setdefault(str(procs), {})[name] = r
-            if r["status"] == "ok":
-                print(f"   {r['req_per_s']:8.1f} req/s  p50 {r['p50_us']:8.0f} µs  p99 {r['p99_us']:8.0f} µs"
-                      f"  ({r['requests']} requests, {r['mismatches']} mismatches)", file=sys.stderr, flush=True)
-                code |= bool(r["mismatches"])
-            else:
-                print(f"   {r['status']}: {r['reason']}", file=sys.stderr, flush=True)
-                code |= r["status"] == "failed"
-    ratios: dict[str, dict[str, float]] = {}
-    for procs, runs in res["runs"].items():
-        def rps(n: str, runs: dict[str, Any] = runs) -> float | None:
-            r = runs.get(n)
-            return r["req_per_s"] if r and r["status"] == "ok" else None
-
-        def cpu(n: str, runs: dict[str, Any] = runs) -> float | None:
-            r = runs.get(n)
-            if not r or r["status"] != "ok":
-                return None
-            return float(r["client_cpu_us_per_req"] + r["server_cpu_us_per_req"])
-        for num, den in (("tokcache", "fastokens+seg"), ("tokcache", "fastokens"), ("tokcache", "smg"),
-                         ("tokcache-rpc", "smg"), ("tokcache", "tokcache-rpc"), ("tokcache-ar", "fastokens+seg"),
-                         ("tokcache-ar", "smg"), ("tokcache-ar", "tokcache")):
-            a, b = rps(num), rps(den)
-            if a and b:
-                ratios.setdefault(procs, {})[f"{num}/{den} req/s"] = a / b
-            ca, cb = cpu(num), cpu(den)
-            if ca and cb:
-                ratios.setdefault(procs, {})[f"{num}/{den} CPU/req"] = ca / cb
-    res["ratios"] = ratios
+        rounds: list[dict[str, Any]] = []
+        for rnd in range(args.rounds):
+            # Alternate the order: a machine that slows down (or warms up) during a round then
+            # favours no contender across the rounds.
+            order = args.contender_list if rnd % 2 == 0 else args.contender_list[::-1]
+            got: dict[str, Any] = {}
+            for name in order:
+                label = f" (round {rnd + 1}/{args.rounds})" if args.rounds > 1 else ""
+                print(f"P={procs:>2} {name}{label} ...", file=sys.stderr, flush=True)
+                r = run_one(name, procs, args, tok_dir)
+                got[name] = r
+                if r["status"] == "ok":
+                    print(f"   {r['req_per_s']:8.1f} req/s  p50 {r['p50_us']:8.0f} µs  p99 {r['p99_us']:8.0f} µs"
+                          f"  ({r['requests']} requests, {r['mismatches']} mismatches)", file=sys.stderr, flush=True)
+                    code |= bool(r["mismatches"])
+                else:
+                    print(f"   {r['status']}: {r['reason']}", file=sys.stderr, flush=True)
+                    code |= r["status"] == "failed"
+            rounds.append(got)
+        res["runs"][str(procs)] = {name: median_run([g[name] for g in rounds]) for name in args.contender_list}
+        per_round = [ratios_of(g) for g in rounds]
+        res["ratios"][str(procs)] = {k: statistics.median(r[k] for r in per_round)
+                                     for k in per_round[0] if all(k in r for r in per_round)}
+        if args.rounds > 1:
+            res["rounds"][str(procs)] = {
+                "req_per_s": {n: [g[n].get("req_per_s") for g in rounds] for n in args.contender_list},
+                "ratios": {k: [r.get(k) for r in per_round] for k in res["ratios"][str(procs)]}}
     path = args.out_dir / "concurrency.json"
     path.write_text(json.dumps(res, indent=1))
     print_report(res)
@@ -383,6 +419,13 @@ def print_report(res: dict[str, Any]) -> None:
         print(f"{procs:>3}  " + "".join(cells))
     for procs, rs in res["ratios"].items():
         print(f"P={procs}: " + ", ".join(f"{k} {v:.2f}" for k, v in rs.items()))
+    if res.get("rounds"):
+        print(f"\nEach round's ratios ({res['config']['rounds']} rounds, alternating order; the ones above are "
+              "their medians, the runs above each contender's median run)")
+        for procs, rd in res["rounds"].items():
+            for k, vs in rd["ratios"].items():
+                if k.endswith("req/s"):
+                    print(f"P={procs}: {k} " + " ".join("-" if v is None else f"{v:.2f}" for v in vs))
 
 
 def plot(res: dict[str, Any], path: Path) -> Path | None:

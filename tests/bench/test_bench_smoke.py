@@ -91,3 +91,43 @@ def test_concurrency_quick_run_counts_requests_and_cpu(tmp_path: Path) -> None:
     assert "CPU per request" in proc.stdout and "Voluntary context switches per request" in proc.stdout
     # Every tokcache-rpc request waits for its reply (about a millisecond): a switch or more each.
     assert all(runs["tokcache-rpc"]["vol_csw_per_req"] >= 0.5 for runs in result["runs"].values())
+
+
+def test_concurrency_rounds_report_medians(tmp_path: Path) -> None:
+    """bench/concurrency.py --rounds: every contender runs once per round, is reported by its
+    median run (the lower middle of two), and each round's req/s is kept. (The ratios' medians:
+    test_concurrency_ratio_and_median_helpers, without processes.)"""
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "concurrency.py"), "--quick", "--procs", "1", "--rounds", "2",
+         "--contenders", "fastokens+seg", "--check", "1", "--out-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=300, cwd=REPO,
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    assert "(round 2/2)" in proc.stderr and "Each round's ratios (2 rounds" in proc.stdout
+    result = json.loads((tmp_path / "concurrency.json").read_text())
+    assert result["config"]["rounds"] == 2
+    rps = result["rounds"]["1"]["req_per_s"]["fastokens+seg"]
+    assert len(rps) == 2 and all(v > 0 for v in rps)
+    run = result["runs"]["1"]["fastokens+seg"]
+    assert run["req_per_s"] == min(rps) and run["mismatches"] == 0
+    assert result["ratios"]["1"] == {}  # one contender: no ratio
+
+
+def test_concurrency_ratio_and_median_helpers() -> None:
+    """ratios_of / median_run, on runs made up here: the arithmetic the report rests on."""
+    import statistics
+
+    from bench.concurrency import median_run, parse_args, ratios_of
+
+    def run(rps: float, cpu: float, status: str = "ok") -> dict[str, object]:
+        return {"status": status, "req_per_s": rps, "client_cpu_us_per_req": cpu, "server_cpu_us_per_req": 10.0}
+
+    got = ratios_of({"tokcache": run(300, 490), "fastokens+seg": run(600, 240), "smg": run(100, 1, "failed")})
+    assert got == {"tokcache/fastokens+seg req/s": 0.5, "tokcache/fastokens+seg CPU/req": 2.0}
+    runs = [run(5, 1), run(3, 1), run(4, 1), run(9, 1)]
+    assert median_run(runs)["req_per_s"] == 4  # the lower middle of an even count
+    assert median_run(runs[:3])["req_per_s"] == statistics.median([5, 3, 4])
+    failed = run(0, 0, "failed")
+    assert median_run([run(5, 1), failed, run(4, 1)]) is failed  # a failure is never hidden
+    with pytest.raises(SystemExit):
+        parse_args(["--rounds", "0"])
