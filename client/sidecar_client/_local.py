@@ -404,7 +404,7 @@ class WriteBehind:
                     item = None if self._busy else next((i for i in self._items if i.state == 0), None)
                     if item is not None:
                         break
-                    if self.heads.pending:  # built once requests pause (see Heads.quiet_in)
+                    if self.heads.offered:  # built once requests pause (see Heads.quiet_in)
                         left = self._quiet_in(self.heads.quiet_in(HEADS_QUIET_S))
                         if left <= 0:
                             break
@@ -413,7 +413,7 @@ class WriteBehind:
                         backoff = min(2 * backoff, WRITER_TICK_S)
                     if self._closed:
                         return
-                    if idle >= WRITER_PARK_TICKS and not self.heads.pending and not settler.pending:  # park
+                    if idle >= WRITER_PARK_TICKS and not self.heads.offered and not settler.pending:  # park
                         self._parked = True
                         self._work.wait()
                         self._parked = False

@@ -90,6 +90,12 @@ class Heads(Generic[Ids, Out]):
         counts: its chain reads are not done)."""
         return bool(self._pending) or bool(self._pending_keys) or self._building > 0
 
+    @property
+    def offered(self) -> bool:
+        """Whether offers wait for a build to take them (what the write-behind acts on; a
+        build under way in another thread is not work for it: see :attr:`pending`)."""
+        return bool(self._pending) or bool(self._pending_keys)
+
     def offer(self, ready: Ready[Ids]) -> bool:
         """Note a head to build after the reply (the request path: no copy here); False when
         declined (see BACKOFF)."""

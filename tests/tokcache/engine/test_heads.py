@@ -222,6 +222,7 @@ def test_a_head_being_built_is_still_pending() -> None:
     builder.start()
     assert reading.wait(10)
     assert heads.pending  # taken from the offers, not built yet
+    assert not heads.offered  # nothing left for another builder (the write-behind) to take
     release.set()
     builder.join(10)
     assert not heads.pending and heads.take_key(b"k" * 16, 3) == [1, 2, 3]
