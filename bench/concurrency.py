@@ -305,7 +305,7 @@ def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--procs", default="1,4,16", help="client process counts (default 1,4,16)")
+    ap.add_argument("--procs", default=None, help="client process counts (default 1,4,16; --quick: 1,4)")
     ap.add_argument("--contenders", default=",".join(CONTENDERS),
                     help=f"subset of {','.join(CONTENDERS + OPT_IN)} (default: all but {','.join(OPT_IN)})")
     ap.add_argument("--passes", type=int, default=2, help="conversations each process replays (default 2)")
@@ -320,8 +320,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--tokenizer-dir", type=Path, default=None)
     ap.add_argument("--out-dir", type=Path, default=HERE / "out")
     args = ap.parse_args(argv)
-    if args.quick:
-        args.procs, args.passes, args.turns = "1,4", 1, 12
+    if args.quick:  # an explicit --procs stays
+        args.procs, args.passes, args.turns = args.procs or "1,4", 1, 12
+    args.procs = args.procs or "1,4,16"
     args.proc_list = [int(x) for x in args.procs.split(",")]
     args.contender_list = [c for c in args.contenders.split(",") if c]
     unknown = set(args.contender_list) - set(CONTENDERS + OPT_IN)

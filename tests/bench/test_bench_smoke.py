@@ -111,6 +111,7 @@ def test_concurrency_rounds_report_medians(tmp_path: Path) -> None:
     run = result["runs"]["1"]["fastokens+seg"]
     assert run["req_per_s"] == min(rps) and run["mismatches"] == 0
     assert result["ratios"]["1"] == {}  # one contender: no ratio
+    assert result["config"]["procs"] == [1]  # --quick keeps an explicit --procs
 
 
 def test_concurrency_ratio_and_median_helpers() -> None:
