@@ -33,7 +33,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        rel = Path(str(item.fspath)).relative_to(_TESTS).as_posix()
+        rel = item.path.relative_to(_TESTS).as_posix()
         if rel.startswith(_ONCE) and not rel.startswith(_EVERY_PYTHON):
             item.add_marker(pytest.mark.once)
 

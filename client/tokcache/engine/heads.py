@@ -88,7 +88,7 @@ class Heads(Generic[Ids, Out]):
     def pending(self) -> bool:
         """Whether heads were offered and not built yet (taken by a build still under way
         counts: its chain reads are not done)."""
-        return bool(self._pending) or bool(self._pending_keys) or self._building > 0
+        return self.offered or self._building > 0
 
     @property
     def offered(self) -> bool:
