@@ -320,9 +320,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--tokenizer-dir", type=Path, default=None)
     ap.add_argument("--out-dir", type=Path, default=HERE / "out")
     args = ap.parse_args(argv)
-    if args.quick:  # an explicit --procs stays
-        args.procs, args.passes, args.turns = args.procs or "1,4", 1, 12
-    args.procs = args.procs or "1,4,16"
+    args.procs = args.procs or ("1,4" if args.quick else "1,4,16")  # an explicit --procs stays
+    if args.quick:
+        args.passes, args.turns = 1, 12
     args.proc_list = [int(x) for x in args.procs.split(",")]
     args.contender_list = [c for c in args.contenders.split(",") if c]
     unknown = set(args.contender_list) - set(CONTENDERS + OPT_IN)
