@@ -88,7 +88,11 @@ MIN_FIRST_WRITE_BYTES = 4096
 # holds the chain its next turn's native lookup needs, rather than by the sidecar, which would
 # tokenize the prompt again to store it. (57 KB chats with every output recorded: the native
 # path served 113 of 320 reads when the sidecar stored the prompts, as its records' chains were
-# not this process's.)
+# not this process's.) Only once this process stored a prompt for its record: a process whose
+# outputs are never recorded (a client that only tokenizes) keeps none, as each kept write, let
+# go 64 requests later, cost its request ~14 µs of its 25 µs hand-off (bench/concurrency.py's
+# replay, one process); the first record of a process finds none and its prompt is stored by
+# the sidecar, as before.
 KEPT_FOR_RECORD = 64
 # The background thread builds heads (tokcache.engine.heads), and settles reads' bookkeeping
 # (Settler), once no request offered one for this long. While requests keep coming (a look
@@ -539,6 +543,7 @@ class LocalModel:
         # KEPT_FOR_RECORD and KEPT_KEY_CHARS).
         self._kept: OrderedDict[tuple[int, str, str], tuple[str, PendingWrite[Chunks]]] = OrderedDict()
         self._kept_lock = threading.Lock()
+        self._keep_for_records = False  # set by the first store_for_record (see KEPT_FOR_RECORD)
         self._manifest_raw = manifest_raw
         self._words = reader._words  # the header words: W_RETIRED is checked on every request
         self._checked = time.monotonic()
@@ -647,6 +652,7 @@ class LocalModel:
         stores its previous turn's write: a thread hop here would hold the caller's response
         (vLLM's plugin holds it until the record is stored) for as long as a busy event loop
         lets a worker thread run. Never raises."""
+        self._keep_for_records = True
         if self.settler.pending:
             self.settler.run()
         if not self._kept:
@@ -696,7 +702,7 @@ class LocalModel:
                 self.writer.offer(write, text, salt, mode)
             else:
                 self.writer.skip()
-                if mode == "kv-stable":
+                if mode == "kv-stable" and self._keep_for_records:
                     key = _kept_key(text, salt)
                     with self._kept_lock:
                         self._kept[key] = (text, write)

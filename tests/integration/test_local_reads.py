@@ -8,6 +8,7 @@ not move while the client reads locally).
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import re
@@ -625,6 +626,30 @@ _READER = textwrap.dedent("""
 """)
 
 
+def _records_here(c: Any, ref: tokenizers.Tokenizer) -> Any:
+    """Record one output through ``c`` (a sync client; an async one: returns its awaitable),
+    so its process keeps short prompts' writes for their records from then on (see
+    KEPT_FOR_RECORD: a process whose outputs are never recorded keeps none)."""
+    prompt = "<|im_start|>system\nwarm up<|im_end|>\n" + TURN.format(q="hi")
+    output = "Hello."
+    out_ids = _generated(ref, output)
+
+    def record(ids: list[int]) -> Any:
+        return c.record_output("qwen3", prompt_text=prompt, prompt_token_ids=ids, output_text=output,
+                               output_token_ids=out_ids)
+
+    got = c.tokenize("qwen3", text=prompt, add_special_tokens=False)
+    if not inspect.isawaitable(got):
+        record(got.token_ids)
+        assert c.flush(10)
+        return None
+
+    async def both() -> None:
+        await record((await got).token_ids)
+        assert await c.flush(10)
+    return both()
+
+
 def _generated(ref: tokenizers.Tokenizer, text: str) -> list[int]:
     """Ids a model could have generated for ``text``: every multi-character token split in two."""
     enc = ref.encode(text, add_special_tokens=False)
@@ -906,7 +931,8 @@ def test_a_recorded_prompt_is_stored_by_its_reader_and_its_next_turn_takes_the_n
     async def main() -> tuple[list[str], dict[str, int], int]:
         c: Any = SidecarClient(proc.address) if api == "sync" else AsyncSidecarClient(proc.address)
         try:
-            await done(c.tokenize("qwen3", text="warm up"))
+            await done(_records_here(c, ref))
+            before = dict(c.stats()["writes"])  # (the warm-up's record counted apart)
             text = "<|im_start|>system\nYou are terse.<|im_end|>\n" + TURN.format(q="count, slowly")
             prev: list[int] = []
             sources = []
@@ -937,7 +963,8 @@ def test_a_recorded_prompt_is_stored_by_its_reader_and_its_next_turn_takes_the_n
             paths = c._local if api == "sync" else c.local
             local = paths.get("qwen3") if paths is not None else None
             assert local is not None
-            return sources, c.stats()["writes"], local.lookup.heads.used
+            writes = c.stats()["writes"]
+            return sources, {k: v - before.get(k, 0) for k, v in writes.items()}, local.lookup.heads.used
         finally:
             await done(c.close())
 
@@ -966,7 +993,7 @@ def test_a_kept_write_is_stored_for_its_own_text_only(sidecar: tuple[SidecarProc
     b = "<|im_start|>system\nYou are brief.<|im_end|>\n" + tail  # same length, same last characters
     assert len(a) == len(b) and a[-KEPT_KEY_CHARS:] == b[-KEPT_KEY_CHARS:] and a != b
     with SidecarClient(proc.address) as c:
-        c.tokenize("qwen3", text="warm up")
+        _records_here(c, ref)
         ids = {t: c.tokenize("qwen3", text=t, add_special_tokens=False).token_ids for t in (a, b)}
         assert c.flush(10)
         for t in (a, b):
