@@ -9,8 +9,13 @@ from __future__ import annotations
 import sys
 from array import array
 from collections.abc import Iterable
+from typing import Any
+
+from tokcache import native
 
 __all__ = ["le_bytes", "pack_ids", "unpack_ids"]
+
+_native: Any = native.engine()  # TOKCACHE_PURE_PYTHON=1: array below
 
 
 def le_bytes(ids: array[int]) -> bytes:
@@ -22,7 +27,13 @@ def le_bytes(ids: array[int]) -> bytes:
 
 
 def pack_ids(ids: Iterable[int]) -> bytes:
-    """``ids`` as packed little-endian uint32. OverflowError/TypeError for a value that is not one."""
+    """``ids`` as packed little-endian uint32. OverflowError/TypeError for a value that is not one.
+
+    A list is packed in one C pass when the extension is built (a write's ~5000 ids: ~100 µs
+    through ``array``); ``array`` stays the reference (the tests compare both).
+    """
+    if _native is not None and type(ids) is list:
+        return _native.pack(ids)  # type: ignore[no-any-return]
     return le_bytes(array("I", ids))
 
 

@@ -12,10 +12,12 @@ import os
 import warnings
 from typing import Any
 
-__all__ = ["ENGINE_API", "engine", "load"]
+__all__ = ["ENGINE_API", "STORE_API", "engine", "load", "store"]
 
 # The version of tokcache.engine._speedups' functions this code calls (its ``API``).
-ENGINE_API = 7
+ENGINE_API = 8
+# The same for tokcache.store._speedups.
+STORE_API = 3
 
 
 def load(module: str, api: int) -> Any:  # noqa: ANN401 - the extension module, or None
@@ -37,3 +39,8 @@ def load(module: str, api: int) -> Any:  # noqa: ANN401 - the extension module, 
 def engine() -> Any:  # noqa: ANN401 - the extension module, or None
     """``tokcache.engine._speedups`` if it can serve (see :func:`load`), else None."""
     return load("tokcache.engine._speedups", ENGINE_API)
+
+
+def store() -> Any:  # noqa: ANN401 - the extension module, or None
+    """``tokcache.store._speedups`` if it can serve (see :func:`load`), else None."""
+    return load("tokcache.store._speedups", STORE_API)

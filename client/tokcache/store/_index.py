@@ -35,7 +35,7 @@ __all__ = ["NATIVE", "STATS_SAMPLE_BUCKETS", "Index"]
 # The probes in C (``_speedups.c``) when the extension was built, else the loops below;
 # TOKCACHE_PURE_PYTHON=1 forces the loops (the tests compare both).
 def _load_native() -> Any:  # noqa: ANN401 - the extension module, or None
-    return native.load("tokcache.store._speedups", 2)
+    return native.store()
 
 
 _native: Any = _load_native()

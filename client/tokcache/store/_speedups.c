@@ -4,7 +4,8 @@
  *
  * A lookup probes up to ~16 keys per request and a writer points ~10 keys per record; in
  * Python each probe is ~1.5 us of interpreter work (a 128-bit modulo, slices, a find),
- * here tens of nanoseconds. Nothing else of the format lives here.
+ * here tens of nanoseconds. Also a write's id narrowing (_layout.narrow), in one pass.
+ * Nothing else of the format lives here.
  *
  * The index region is mapped and fully allocated (fallocate + MADV_POPULATE_READ at
  * attach), so reading it through the mapping cannot fault on a hole; writers and readers
@@ -207,7 +208,50 @@ static PyObject *py_set_slot(PyObject *self, PyObject *args) {
     return PyBool_FromLong(evicted);
 }
 
+PyDoc_STRVAR(narrow_doc,
+"narrow(ids, id_bytes) -> bytes | None\n\n"
+"_layout.narrow (the reference): packed LE u32 ``ids`` as ``id_bytes``-wide LE ids (3 or 4), or\n"
+"None when an id does not fit. One pass (the extended-slice copies are five, ~75 us for 5000 ids).");
+
+static PyObject *py_narrow(PyObject *self, PyObject *args) {
+    Py_buffer in;
+    int width;
+    if (!PyArg_ParseTuple(args, "y*i", &in, &width)) return NULL;
+    PyObject *out = NULL;
+    if (in.len % 4) {
+        PyErr_SetString(PyExc_ValueError, "narrow: ids must be packed uint32");
+        goto done;
+    }
+    if (width == 4) {
+        out = PyBytes_FromStringAndSize(in.buf, in.len);
+        goto done;
+    }
+    if (width != 3) {
+        PyErr_SetString(PyExc_ValueError, "narrow: id_bytes must be 3 or 4");
+        goto done;
+    }
+    Py_ssize_t n = in.len / 4;
+    const unsigned char *src = in.buf;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (src[4 * i + 3]) {
+            out = Py_NewRef(Py_None);
+            goto done;
+        }
+    out = PyBytes_FromStringAndSize(NULL, 3 * n);
+    if (!out) goto done;
+    unsigned char *dst = (unsigned char *)PyBytes_AS_STRING(out);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        dst[3 * i] = src[4 * i];
+        dst[3 * i + 1] = src[4 * i + 1];
+        dst[3 * i + 2] = src[4 * i + 2];
+    }
+done:
+    PyBuffer_Release(&in);
+    return out;
+}
+
 static PyMethodDef methods[] = {
+    {"narrow", py_narrow, METH_VARARGS, narrow_doc},
     {"set_slot", py_set_slot, METH_VARARGS, set_slot_doc},
     {"find", py_find, METH_VARARGS, find_doc},
     {"last_live", py_last_live, METH_VARARGS, last_live_doc},
@@ -227,6 +271,6 @@ PyMODINIT_FUNC PyInit__speedups(void) {
         return NULL;
     }
     PyObject *m = PyModule_Create(&module);
-    if (m && PyModule_AddIntConstant(m, "API", 2) < 0) Py_CLEAR(m);
+    if (m && PyModule_AddIntConstant(m, "API", 3) < 0) Py_CLEAR(m);
     return m;
 }

@@ -52,6 +52,18 @@ def test_narrow_and_widen_match_a_reference(values: list[int]) -> None:
     else:
         assert got == b"".join(v.to_bytes(3, "little") for v in values)
         assert widen(got, 3) == ids
+    # The one-pass C version (used when built) answers as the slices do.
+    assert _layout._narrow(ids, 3) == got and _layout._narrow(ids, 4) == ids
+    if _layout._native is not None:
+        assert _layout._native.narrow(ids, 3) == got and _layout._native.narrow(ids, 4) == ids
+
+
+def test_native_narrow_refuses_bad_arguments() -> None:
+    if _layout._native is None:
+        pytest.skip("the native extension is not built")
+    for ids, width in ((b"\0" * 5, 3), (u32(1), 2), (u32(1), 5)):
+        with pytest.raises(ValueError):
+            _layout._native.narrow(ids, width)
 
 
 def test_id_bytes_for_vocabularies() -> None:
