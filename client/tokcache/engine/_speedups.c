@@ -841,7 +841,7 @@ done:
 }
 
 /* ---------------------------------------------------------------------------------- */
-/* pack: a list of ids as packed LE uint32.                                            */
+/* pack, intern, unpack: a client's id lists.                                          */
 
 PyDoc_STRVAR(pack_doc,
 "pack(ids) -> bytes\n\n"
@@ -882,7 +882,80 @@ static PyObject *py_pack(PyObject *self, PyObject *ids) {
     return out;
 }
 
+PyDoc_STRVAR(intern_doc,
+"intern(ids, table) -> ids\n\n"
+"tokcache.engine.ids.intern_ids: replace each int of the list ``ids``, in place, by ``table[id]``\n"
+"(a list of this process's one object per id value, None where none was made yet: the int\n"
+"met first becomes it). Items that are not exact ints in ``range(len(table))`` stay.");
+
+static PyObject *py_intern(PyObject *self, PyObject *args) {
+    PyObject *ids, *table;
+    if (!PyArg_ParseTuple(args, "O!O!", &PyList_Type, &ids, &PyList_Type, &table)) return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(ids), m = PyList_GET_SIZE(table);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PyList_GET_ITEM(ids, i);
+        if (!PyLong_CheckExact(item)) continue;
+        long v = PyLong_AsLong(item);
+        if (v < 0 || v >= m) {
+            PyErr_Clear();
+            continue;
+        }
+        PyObject *c = PyList_GET_ITEM(table, v);
+        if (c == item) continue;
+        if (c == Py_None) {
+            PyList_SET_ITEM(table, v, Py_NewRef(item));
+            Py_DECREF(c);
+            continue;
+        }
+        PyList_SET_ITEM(ids, i, Py_NewRef(c));
+        Py_DECREF(item);
+    }
+    return Py_NewRef(ids);
+}
+
+PyDoc_STRVAR(unpack_doc,
+"unpack(data, table) -> list\n\n"
+"tokcache.ids.unpack_ids of packed LE u32 ``data`` (``len(data) % 4 == 0``), its ints taken from\n"
+"``table`` (made there the first time, see intern) rather than made one per id.");
+
+static PyObject *py_unpack(PyObject *self, PyObject *args) {
+    Py_buffer in;
+    PyObject *table;
+    if (!PyArg_ParseTuple(args, "y*O!", &in, &PyList_Type, &table)) return NULL;
+    Py_ssize_t n = in.len / 4, m = PyList_GET_SIZE(table);
+    PyObject *out = NULL;
+    if (in.len % 4) {
+        PyErr_SetString(PyExc_ValueError, "unpack: data must be packed uint32");
+        goto done;
+    }
+    out = PyList_New(n);
+    if (!out) goto done;
+    const unsigned char *src = in.buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint32_t v;
+        memcpy(&v, src + 4 * i, 4);
+        PyObject *c;
+        if ((Py_ssize_t)v < m && (c = PyList_GET_ITEM(table, v)) != Py_None) {
+            Py_INCREF(c);
+        } else {
+            c = PyLong_FromUnsignedLong(v);
+            if (!c) { Py_CLEAR(out); goto done; }
+            if ((Py_ssize_t)v < m) {
+                PyObject *old = PyList_GET_ITEM(table, v);
+                PyList_SET_ITEM(table, v, Py_NewRef(c));
+                Py_DECREF(old);
+            }
+        }
+        PyList_SET_ITEM(out, i, c);
+    }
+done:
+    PyBuffer_Release(&in);
+    return out;
+}
+
 static PyMethodDef methods[] = {
+    {"intern", py_intern, METH_VARARGS, intern_doc},
+    {"unpack", py_unpack, METH_VARARGS, unpack_doc},
     {"pack", py_pack, METH_O, pack_doc},
     {"common_prefix", py_common_prefix, METH_VARARGS, common_prefix_doc},
     {"untrack", py_untrack, METH_O, untrack_doc},
@@ -924,7 +997,7 @@ PyMODINIT_FUNC PyInit__speedups(void) {
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
     Py_INCREF(&MatcherType);
-    if (PyModule_AddIntConstant(m, "API", 8) < 0 || PyModule_AddObject(m, "Matcher", (PyObject *)&MatcherType) < 0) {
+    if (PyModule_AddIntConstant(m, "API", 9) < 0 || PyModule_AddObject(m, "Matcher", (PyObject *)&MatcherType) < 0) {
         Py_DECREF(&MatcherType);
         Py_DECREF(m);
         return NULL;

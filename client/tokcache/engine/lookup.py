@@ -433,7 +433,7 @@ class Lookup(Generic[Ids, Out]):
             # The post-processor does more than wrap raw ids: no cache for this request.
             decision.l1_disabled_reason = f"add_special_tokens: {affixes.reason}"
             decision.encoded_chars = n_chars
-            ids = self.fmt.from_list(self.model.encoder.encode_full(data.decode("utf-8")))
+            ids = self.fmt.from_list(self.fmt.own(self.model.encoder.encode_full(data.decode("utf-8"))))
             return Result(self.fmt.result(ids, self.fmt.count(ids)), decision)
         t0 = time.perf_counter_ns()
         spans = scan.spans
@@ -641,9 +641,10 @@ class Lookup(Generic[Ids, Out]):
             lo, hi = memo.cut_tokens.get(start), memo.cut_tokens.get(cut)
             if start < cut and lo is not None and hi is not None:
                 head = None if head_at is None else self.heads.take(base, cut, head_at + hi - lo)
-                new = self.model.encoder.encode(scan.data[cut:].decode("utf-8"))
+                new = self.fmt.own(self.model.encoder.encode(scan.data[cut:].decode("utf-8")))
                 return _Tail(None, None, 0, head, new, memo, lo, hi, cut, canonical=True)
-        ids = self.model.encoder.encode(tail_text if tail_text is not None else scan.data[start:].decode("utf-8"))
+        ids = self.fmt.own(self.model.encoder.encode(tail_text if tail_text is not None
+                                                     else scan.data[start:].decode("utf-8")))
         return _Tail(ids, None, 0, cut=start, canonical=True)
 
     def _remember(self, scan: Scan, keyed: list[int], tail: _Tail[Out], start: int) -> None:
@@ -886,7 +887,7 @@ class Lookup(Generic[Ids, Out]):
             if self.model.boundary_ids:
                 return self._canonical_tail(scan, keyed, tail_text, hit.start)
             flat, ends = encoder.encode_pieces([(b + t).decode("utf-8") for b, t in pieces])
-            return _Tail(flat, ends, 0)
+            return _Tail(self.fmt.own(flat), ends, 0)
         # Spliced pieces are encoded as two texts (header, token) around the recorded ids.
         texts: list[str] = []
         for k, (body, token) in enumerate(pieces):
@@ -895,12 +896,13 @@ class Lookup(Generic[Ids, Out]):
             else:
                 texts.append((body + token).decode("utf-8"))
         flat, ends = encoder.encode_pieces(texts)
+        flat = self.fmt.own(flat)
         out: list[int] = []
         piece_ends: list[int] = []
         prev = e = spliced = 0
         for k in range(len(pieces)):
             if k in splices:
-                ar_ids = unpack_ids(splices[k][1])
+                ar_ids = self.fmt.own(unpack_ids(splices[k][1]))
                 out += flat[prev:ends[e]]
                 out += ar_ids
                 out += flat[ends[e]:ends[e + 1]]
