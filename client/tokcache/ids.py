@@ -1,7 +1,8 @@
 """Token ids as packed little-endian uint32: the one format ids cross a boundary in.
 
 The wire (``bytes`` fields of ``tokcache.v1``), the store's API and the encoders all
-speak it; these are its only encoder and decoder.
+speak it; these are its encoder and decoder (``tokcache.engine.ids.unpack_interned`` decodes
+it too, into a client's shared int objects, with ``unpack_ids`` as its reference).
 """
 
 from __future__ import annotations

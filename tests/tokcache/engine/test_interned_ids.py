@@ -31,9 +31,9 @@ def test_interning_keeps_the_values(values: list[int]) -> None:
 def test_equal_ids_share_one_object_across_lists_and_unpacking() -> None:
     values = [random.randrange(300, 150_000) for _ in range(500)]
     a, b = intern_ids(fresh(values)), intern_ids(fresh(values))
-    assert all(x is y for x, y in zip(a, b))
+    assert all(x is y for x, y in zip(a, b, strict=True))
     c = unpack_interned(pack_ids(values))
-    assert c == values and all(x is y for x, y in zip(a, c))
+    assert c == values and all(x is y for x, y in zip(a, c, strict=True))
     assert LISTS.own(fresh(values))[7] is a[7]
     assert LISTS.from_u32(pack_ids(values)).parts[0][0][3] is a[3]
 
