@@ -888,6 +888,18 @@ PyDoc_STRVAR(intern_doc,
 "(a list of this process's one object per id value, None where none was made yet: the int\n"
 "met first becomes it). Items that are not exact ints in ``range(len(table))`` stay.");
 
+/* A new reference to ``table[v]`` (``v < len(table)``), filed there first when missing: ``have``
+ * (an int of value v) if given, else a new int. NULL on error. */
+static PyObject *shared_int(PyObject *table, Py_ssize_t v, PyObject *have) {
+    PyObject *c = PyList_GET_ITEM(table, v);
+    if (c != Py_None) return Py_NewRef(c);
+    c = have ? Py_NewRef(have) : PyLong_FromSsize_t(v);
+    if (!c) return NULL;
+    PyList_SET_ITEM(table, v, Py_NewRef(c));
+    Py_DECREF(Py_None); /* the slot's old value */
+    return c;
+}
+
 static PyObject *py_intern(PyObject *self, PyObject *args) {
     PyObject *ids, *table;
     if (!PyArg_ParseTuple(args, "O!O!", &PyList_Type, &ids, &PyList_Type, &table)) return NULL;
@@ -900,14 +912,8 @@ static PyObject *py_intern(PyObject *self, PyObject *args) {
             PyErr_Clear();
             continue;
         }
-        PyObject *c = PyList_GET_ITEM(table, v);
-        if (c == item) continue;
-        if (c == Py_None) {
-            PyList_SET_ITEM(table, v, Py_NewRef(item));
-            Py_DECREF(c);
-            continue;
-        }
-        PyList_SET_ITEM(ids, i, Py_NewRef(c));
+        PyObject *c = shared_int(table, v, item); /* cannot fail: ``item`` is filed if none is */
+        PyList_SET_ITEM(ids, i, c);
         Py_DECREF(item);
     }
     return Py_NewRef(ids);
@@ -934,17 +940,10 @@ static PyObject *py_unpack(PyObject *self, PyObject *args) {
     for (Py_ssize_t i = 0; i < n; i++) {
         uint32_t v;
         memcpy(&v, src + 4 * i, 4);
-        PyObject *c;
-        if ((Py_ssize_t)v < m && (c = PyList_GET_ITEM(table, v)) != Py_None) {
-            Py_INCREF(c);
-        } else {
-            c = PyLong_FromUnsignedLong(v);
-            if (!c) { Py_CLEAR(out); goto done; }
-            if ((Py_ssize_t)v < m) {
-                PyObject *old = PyList_GET_ITEM(table, v);
-                PyList_SET_ITEM(table, v, Py_NewRef(c));
-                Py_DECREF(old);
-            }
+        PyObject *c = (Py_ssize_t)v < m ? shared_int(table, v, NULL) : PyLong_FromUnsignedLong(v);
+        if (!c) {
+            Py_CLEAR(out);
+            goto done;
         }
         PyList_SET_ITEM(out, i, c);
     }

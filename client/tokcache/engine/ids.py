@@ -105,6 +105,10 @@ class IdFormat(Generic[Ids, Out]):
         sidecar packs them), or with :func:`intern_ids`' ints (a client keeps them)."""
         return ids
 
+    def own_u32(self, data: bytes) -> list[int]:
+        """``own(unpack_ids(data))``, without making ints only to replace them."""
+        return unpack_ids(data)
+
     def count(self, ids: Ids) -> int:
         """How many ids ``ids`` holds."""
         raise NotImplementedError
@@ -213,11 +217,14 @@ class ListFormat(IdFormat["Chunks", list[int]]):
     name = "list"
 
     def from_u32(self, data: bytes) -> Chunks:
-        ids = untrack(unpack_interned(data))
+        ids = untrack(self.own_u32(data))
         return Chunks(((ids, len(ids)),) if ids else (), len(ids))
 
     def own(self, ids: list[int]) -> list[int]:
         return intern_ids(ids)
+
+    def own_u32(self, data: bytes) -> list[int]:
+        return unpack_interned(data)
 
     def from_list(self, ids: list[int]) -> Chunks:
         """``ids`` (now this container's: untracked, see :func:`untrack`) as Chunks."""

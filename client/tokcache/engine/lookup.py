@@ -40,7 +40,7 @@ from tokcache.engine.errors import InvalidRequest, RequestTooLarge
 from tokcache.engine.heads import Heads, Ready
 from tokcache.engine.ids import IdFormat, Ids, Out
 from tokcache.engine.memo import ChainMemo
-from tokcache.ids import pack_ids, unpack_ids
+from tokcache.ids import pack_ids
 from tokcache.store import Kind, Known, RecordRef, StoreError, Walk
 from tokcache.store.keys import KEY_GRID, MODE_EXACT, MODE_KV_STABLE, TextKeys, pending_key, segment_key
 
@@ -902,7 +902,7 @@ class Lookup(Generic[Ids, Out]):
         prev = e = spliced = 0
         for k in range(len(pieces)):
             if k in splices:
-                ar_ids = self.fmt.own(unpack_ids(splices[k][1]))
+                ar_ids = self.fmt.own_u32(splices[k][1])
                 out += flat[prev:ends[e]]
                 out += ar_ids
                 out += flat[ends[e]:ends[e + 1]]
