@@ -326,6 +326,10 @@ def run(args: argparse.Namespace) -> int:
                     prepare = getattr(c, "prepare", None)
                     if prepare is not None:  # tokcache-ar: the previous turn's output is recorded first
                         prepare(own)
+                    # The previous call's ids are dropped before the clock starts: assigning over
+                    # them inside the timed call would charge this contender for freeing whichever
+                    # contender's list came before (~15k ints each; fresh ones cost a free apiece).
+                    ids = None
                     gc.disable()
                     try:
                         t0 = time.perf_counter_ns()
