@@ -67,9 +67,9 @@ import struct
 from dataclasses import dataclass
 from typing import Any, Final
 
-from blake3 import blake3
-
 from tokcache import native
+
+from . import _hash
 
 LAYOUT_VERSION: Final = 4  # 3: the id width joined the static header; 4: generation, manifest
 MAGIC: Final = b"TOKCACHE"
@@ -180,7 +180,7 @@ MAX_SIZE: Final = 1 << 44  # 16 TiB: far beyond any cap, keeps every offset smal
 
 def check_of(data: bytes | bytearray | memoryview) -> bytes:
     """The 16-byte blake3 check of ``data`` (record body or static header)."""
-    return bytes(blake3(data).digest(CHECK_SIZE))
+    return _hash.digest(data, CHECK_SIZE)
 
 
 def tag_of(key: bytes) -> int:

@@ -39,8 +39,6 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any, Final, NamedTuple
 
-from blake3 import blake3
-
 from ._layout import (
     CHECK_SIZE,
     ENTRY,
@@ -74,6 +72,7 @@ from ._layout import (
     W_RELEASED,
     W_SOFT_CAP,
     W_TAIL,
+    check_of,
 )
 from ._segment import reserve
 from .errors import SegmentError
@@ -261,7 +260,7 @@ class Log:
                 magic != RECORD_MAGIC
                 or own_lsn != cur
                 or size2 != size
-                or not rec.startswith(blake3(rec[CHECK_SIZE:]).digest(CHECK_SIZE))
+                or not rec.startswith(check_of(memoryview(rec)[CHECK_SIZE:]))
             ):
                 return self._failed(cur)
             ids_off = RECORD_SIZE + ENTRY_SIZE * n_entries
@@ -639,5 +638,5 @@ def _build(
         ENTRY.pack_into(buf, off, key, n, entry_expiry, entry_kind)
         off += ENTRY_SIZE
     buf[off : off + len(ids)] = ids
-    buf[:CHECK_SIZE] = blake3(memoryview(buf)[CHECK_SIZE:]).digest(CHECK_SIZE)
+    buf[:CHECK_SIZE] = check_of(memoryview(buf)[CHECK_SIZE:])
     return buf

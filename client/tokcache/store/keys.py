@@ -17,6 +17,8 @@ from typing import Any, NamedTuple
 
 from blake3 import blake3
 
+from ._hash import feed
+
 __all__ = ["CHECKPOINT_CUTS", "KEY_BYTES", "KEY_GRID", "KeyState", "KeyStream", "MODE_EXACT", "MODE_KV_STABLE",
            "TextKeys", "extend_keyed", "l0_key", "namespace", "output_key", "pending_key", "root_hasher", "segment_key"]
 
@@ -46,7 +48,7 @@ class KeyStream:
 
     def feed(self, data: bytes) -> None:
         """Append the next bytes of the text."""
-        self._h.update(data)
+        feed(self._h, data)
 
     def exact_key(self) -> bytes:
         """Key of the L0 entry for the text fed so far (the whole text)."""
@@ -105,7 +107,7 @@ def segment_key(salt: str, mode: bytes, text: bytes | memoryview) -> bytes:
     """Key of a segment-AR entry: a recorded output's text on its own (a read probes one per
     piece of its uncached tail: the namespace header is hashed once per namespace)."""
     h = _segment_root(salt, mode).copy()
-    h.update(text)
+    feed(h, text)
     key: bytes = h.digest(KEY_BYTES)
     return key
 
@@ -214,7 +216,7 @@ class TextKeys:
             # A state cut back (KeyState.at): one pass over the shared bytes, which blake3
             # hashes several times faster in one call than a key at a time.
             h = self._root.copy()
-            h.update(memoryview(data)[:spans[r.cut][1]])
+            feed(h, memoryview(data)[:spans[r.cut][1]])
             r = r._replace(hasher=h)
         self._resume = r
         if r is not None:
@@ -300,7 +302,7 @@ class TextKeys:
                 start, base = m_off, m
         h = base.copy()
         if offset > start:
-            h.update(memoryview(self._data)[start:offset])
+            feed(h, memoryview(self._data)[start:offset])
         return h
 
     def exact_key(self) -> bytes:
@@ -351,7 +353,7 @@ class TextKeys:
             end = spans[j][1]
             if end >= low:
                 break
-            h.update(mv[prev:end])
+            feed(h, mv[prev:end])
             prev = end
             marks.append((end, h.copy()))
         self._marks = marks
@@ -385,14 +387,14 @@ class TextKeys:
             marks.sort()
         for end, p in marks:
             if end > start:
-                h.update(data[start:end])
+                feed(h, memoryview(data)[start:end])
                 start = end
             if p >= 0:
                 keys[p] = h.digest(KEY_BYTES)
             else:
                 self._state = KeyState(last, h.copy(), keys, self._ar_keys, keyed)
         if self._exact is None:
-            h.update(data[start:])
+            feed(h, memoryview(data)[start:])
             h.update(_L0_SUFFIX)
             self._exact = h.digest(KEY_BYTES)
 
@@ -425,7 +427,7 @@ class TextKeys:
         for i in todo:
             end = spans[i][0]
             if end > start:
-                h.update(data[start:end])
+                feed(h, memoryview(data)[start:end])
                 start = end
             a = h.copy()
             a.update(_AR_SUFFIX)
