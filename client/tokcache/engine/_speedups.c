@@ -294,9 +294,9 @@ static int span_at(PyObject *spans, Py_ssize_t i, Py_ssize_t *start, Py_ssize_t 
 }
 
 /* blake3's binding lets go of the GIL for an update of 2048 bytes or more (as hashlib does),
- * and getting it back waits for whichever thread took it meanwhile — the write-behind's, or
- * any other of the caller's — for up to the interpreter's switch interval (5 ms); a write's
- * record check took 220 µs on average that way (~10 alone). Pieces below that stay under the
+ * and getting it back waits for whichever thread took it meanwhile, the write-behind's, or
+ * any other of the caller's, for up to the interpreter's switch interval (5 ms); a write's
+ * record check took 220 us on average that way (~10 alone). Pieces below that stay under the
  * GIL (tokcache.store._hash.GIL_PIECE is the same bound). */
 #define TK_GIL_PIECE 2047
 
