@@ -35,4 +35,5 @@ def digest(data: bytes | bytearray | memoryview, size: int) -> bytes:
     """The first ``size`` bytes of blake3(``data``), holding the GIL throughout."""
     h = blake3()
     feed(h, data)
-    return bytes(h.digest(size))
+    digest: bytes = h.digest(size)
+    return digest

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import mmap
 
-from blake3 import blake3
-
-from ._layout import CHECK_SIZE, MANIFEST_HEAD, MANIFEST_MAX, MANIFEST_OFF
+from ._layout import MANIFEST_HEAD, MANIFEST_MAX, MANIFEST_OFF, check_of
 
 __all__ = ["MANIFEST_MAX", "read_manifest", "write_manifest"]
 
@@ -29,7 +27,7 @@ def write_manifest(mm: mmap.mmap, body: bytes) -> None:
     seq = (seq | 1) + 2 if seq & 1 else seq + 1  # odd: being written
     mm[MANIFEST_OFF : MANIFEST_OFF + 8] = seq.to_bytes(8, "little")
     mm[_BODY_OFF : _BODY_OFF + len(body)] = body
-    check = blake3(body).digest(CHECK_SIZE)
+    check = check_of(body)
     MANIFEST_HEAD.pack_into(mm, MANIFEST_OFF, seq, len(body), 0, check)
     mm[MANIFEST_OFF : MANIFEST_OFF + 8] = (seq + 1).to_bytes(8, "little")  # even: complete
 
@@ -40,7 +38,7 @@ def read_manifest(mm: mmap.mmap) -> bytes | None:
     if seq == 0 or seq & 1 or length > MANIFEST_MAX:
         return None
     body = mm[_BODY_OFF : _BODY_OFF + length]
-    if blake3(body).digest(CHECK_SIZE) != check:
+    if check_of(body) != check:
         return None
     if MANIFEST_HEAD.unpack_from(mm, MANIFEST_OFF)[0] != seq:
         return None

@@ -387,14 +387,14 @@ class TextKeys:
             marks.sort()
         for end, p in marks:
             if end > start:
-                feed(h, memoryview(data)[start:end])
+                feed(h, data[start:end])
                 start = end
             if p >= 0:
                 keys[p] = h.digest(KEY_BYTES)
             else:
                 self._state = KeyState(last, h.copy(), keys, self._ar_keys, keyed)
         if self._exact is None:
-            feed(h, memoryview(data)[start:])
+            feed(h, data[start:])
             h.update(_L0_SUFFIX)
             self._exact = h.digest(KEY_BYTES)
 
@@ -427,7 +427,7 @@ class TextKeys:
         for i in todo:
             end = spans[i][0]
             if end > start:
-                feed(h, memoryview(data)[start:end])
+                feed(h, data[start:end])
                 start = end
             a = h.copy()
             a.update(_AR_SUFFIX)
