@@ -85,6 +85,11 @@ class AsyncSidecarClient:
                 local.set_models(await self.list_models())
             except TokcacheError:
                 pass  # the RPC path reports it
+        if not local.is_open(model) and local.knows(model):
+            # Opening maps the segment and loads the encoder (~1 s, several on a busy node): in a
+            # worker thread, so the event loop serves other requests meanwhile (over RPC: get
+            # answers None while another thread opens the model). This request waits for it.
+            await self._loop.run_in_executor(None, local.get, model)
         wait = PendingWait()
         while True:
             may_wait = wait.open

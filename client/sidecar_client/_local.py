@@ -766,6 +766,11 @@ class LocalPaths:
         path on first use; False means the RPC path serves it)."""
         return self.get(model) is not None
 
+    def is_open(self, model: str) -> bool:
+        """Whether ``model``'s path is open and current (then :meth:`get` returns at once)."""
+        local = self._models.get(model)
+        return local is not None and not local.stale
+
     def default_mode(self, model: str) -> str:
         """The sidecar's default mode (``--mode``) for requests that name none."""
         info = self._infos.get(model)

@@ -301,6 +301,47 @@ def test_while_one_thread_opens_the_segment_other_requests_use_rpc(
     assert not c._local._models  # type: ignore[union-attr]
 
 
+def test_the_async_client_opens_the_segment_off_its_event_loop(
+        sidecar: tuple[SidecarProcess, int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first request of an AsyncSidecarClient waits for the open (map + load the encoder,
+    ~1 s) in a worker thread: the event loop keeps running meanwhile, and a request that
+    arrives then is answered over RPC; the first is then read in-process."""
+    import asyncio
+    import threading
+    import time
+
+    from sidecar_client import _local
+
+    proc, _ = sidecar
+    real_open = _local.LocalModel.open
+    entered, release = threading.Event(), threading.Event()
+
+    def slow_open(*args: object, **kwargs: object) -> _local.LocalModel:
+        entered.set()
+        assert release.wait(30)
+        return real_open(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_local.LocalModel, "open", staticmethod(slow_open))
+
+    async def main() -> None:
+        async with AsyncSidecarClient(proc.address) as c:
+            first = asyncio.create_task(c.tokenize("qwen3", text="the first request", add_special_tokens=False))
+            while not entered.is_set():  # the loop runs while the open has begun in a thread
+                await asyncio.sleep(0.005)
+            t0 = time.monotonic()
+            other = await c.tokenize("qwen3", text="while the segment is being opened", add_special_tokens=False)
+            assert other.served_by == "sidecar" and time.monotonic() - t0 < 5
+            assert not first.done()
+            release.set()
+            r = await asyncio.wait_for(first, 30)
+            assert r.served_by == "local"
+            assert c.stats()["fallbacks"] == {"opening": 1}
+            again = await c.tokenize("qwen3", text="after it opened", add_special_tokens=False)
+            assert again.served_by == "local"
+
+    asyncio.run(main())
+
+
 def test_the_plugin_opens_the_segment_during_its_handshake(
         sidecar: tuple[SidecarProcess, int], qwen3_path: Path) -> None:
     """vLLM's first prompt does not pay for mapping the segment and loading the encoder on
