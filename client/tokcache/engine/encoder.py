@@ -125,7 +125,15 @@ class FastokensEncoder(_HfStyleEncoder):
     def __init__(self, path: Path) -> None:
         import fastokens  # optional at import time: only needed when chosen
 
-        self._setup(fastokens.Tokenizer.from_file(str(path)))
+        tokenizer = fastokens.Tokenizer.from_file(str(path))
+        # fastokens turns its segment cache on from FASTOKENS_SEGMENT_CACHE at construction (set
+        # for vLLM's own fastokens mode). Off here, whatever the environment: the cache in front
+        # of this encoder already holds every text seen, so the segments it is asked for are new
+        # by construction, and caching them made a 1.5 KB tail's encode 1.5-1.9x as slow and grew
+        # every process's memory by ~1.5 KB per call up to the variable's MiB (measured, warm).
+        if hasattr(tokenizer, "enable_segment_cache"):
+            tokenizer.enable_segment_cache(0)
+        self._setup(tokenizer)
 
 
 def _le(ids: array[int]) -> bytes:
