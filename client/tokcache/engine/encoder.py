@@ -126,8 +126,8 @@ class FastokensEncoder(_HfStyleEncoder):
         import fastokens  # optional at import time: only needed when chosen
 
         tokenizer = fastokens.Tokenizer.from_file(str(path))
-        # fastokens turns its segment cache on from FASTOKENS_SEGMENT_CACHE at construction (set
-        # for vLLM's own fastokens mode). Off here, whatever the environment: the cache in front
+        # fastokens turns its segment cache on from FASTOKENS_SEGMENT_CACHE at construction (what
+        # a user of vLLM's VLLM_USE_FASTOKENS=1 sets). Off here, whatever the environment: the cache in front
         # of this encoder already holds every text seen, so the segments it is asked for are new
         # by construction, and caching them made a 1.5 KB tail's encode 1.5-1.9x as slow and grew
         # every process's memory by ~1.5 KB per call up to the variable's MiB (measured, warm).
