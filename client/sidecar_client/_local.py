@@ -771,6 +771,16 @@ class LocalPaths:
         local = self._models.get(model)
         return local is not None and not local.stale
 
+    def may_open(self, model: str) -> bool:
+        """Whether :meth:`get` would try to open ``model`` now: known, not open and current, not
+        being opened, no failed attempt's RETRY_S pending (a caller opening on a worker thread
+        asks first, rather than handing a thread a call that answers None at once)."""
+        if self.is_open(model):
+            return False
+        with self._lock:
+            return (not self._closed and model in self._infos and model not in self._opening
+                    and time.monotonic() >= self._failed.get(model, (0.0, ""))[0])
+
     def default_mode(self, model: str) -> str:
         """The sidecar's default mode (``--mode``) for requests that name none."""
         info = self._infos.get(model)

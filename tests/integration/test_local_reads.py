@@ -374,6 +374,80 @@ def test_the_plugin_opens_the_segment_during_its_handshake(
     asyncio.run(main())
 
 
+def test_the_plugin_maps_a_replaced_segment_again_off_its_event_loop(
+        tmp_path: Path, qwen3_path: Path, shm_prefix: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sidecar restart replaces the segment: the plugin's next prompts are answered by the
+    sidecar at once while a worker thread maps the new segment and loads the encoder (it
+    used to do that inside the prompt, on vLLM's event loop: ~1-3 s of every request of the
+    API server stalled), then are read in-process again, with the reference's ids."""
+    import asyncio
+    import threading
+    import time
+
+    from sidecar_client import _local
+    from sidecar_client.vllm._config import PluginConfig
+    from sidecar_client.vllm._link import Served, SidecarLink
+    from sidecar_client.vllm._stats import PluginStats
+    from tokcache.engine.tokenizer import fingerprint_of
+
+    ref = tokenizers.Tokenizer.from_file(str(qwen3_path / "tokenizer.json"))
+    tj = qwen3_path / "tokenizer.json"
+    texts = _conversation(6)
+    (tmp_path / "a").mkdir()
+    first = SidecarProcess(tmp_path / "a", {"qwen3": qwen3_path}, shm_prefix).start()
+    second = SidecarProcess(tmp_path / "a", {"qwen3": qwen3_path}, shm_prefix)
+    second.cmd[second.cmd.index("--shm-size") + 1] = "48MiB"  # another size: the segment is replaced
+    real_open = _local.LocalModel.open
+    entered, release = threading.Event(), threading.Event()
+
+    def held_open(*args: object, **kwargs: object) -> _local.LocalModel:
+        entered.set()
+        assert release.wait(30)
+        return real_open(*args, **kwargs)  # type: ignore[arg-type]
+
+    async def main() -> None:
+        link = SidecarLink(PluginConfig(address=first.address, timeout_s=5.0), fingerprint_of(tj), PluginStats(),
+                           tokenizer_file=str(tj))
+        task = link._maybe_start_handshake()
+        assert task is not None
+        await task
+        assert link._opening is not None and await link._opening is not None
+        out = await link.tokenize(texts[0], add_special_tokens=False, cache_salt=None)
+        assert isinstance(out, Served) and out.served_by == "local"
+        first.stop()
+        second.start()
+        monkeypatch.setattr(_local.LocalModel, "open", staticmethod(held_open))
+        served: list[Served] = []
+        deadline = time.monotonic() + 60
+        for text in texts[1:3]:  # while the new segment's open is held: the sidecar answers
+            while True:
+                t0 = time.monotonic()
+                got = await link.tokenize(text, add_special_tokens=False, cache_salt=None)
+                assert time.monotonic() - t0 < 5.5  # one deadline at most, never the open
+                if isinstance(got, Served):
+                    break
+                assert time.monotonic() < deadline, got  # the restarted sidecar is found again
+                await asyncio.sleep(0.05)
+            assert got.served_by == "sidecar" and got.token_ids == ref.encode(text, add_special_tokens=False).ids
+            served.append(got)
+        assert entered.is_set() and link._opening is not None and not link._opening.done()
+        release.set()
+        assert await link._opening is not None
+        for text in texts[3:]:
+            got = await link.tokenize(text, add_special_tokens=False, cache_salt=None)
+            assert isinstance(got, Served) and got.served_by == "local"
+            assert got.token_ids == ref.encode(text, add_special_tokens=False).ids
+        await link.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        release.set()
+        first.stop()
+        if second.proc is not None:
+            second.stop()
+
+
 def test_an_open_breaker_keeps_in_process_reads_and_stops_their_rpc_fallbacks(
         sidecar: tuple[SidecarProcess, int], qwen3_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """With the plugin's breaker open, prompts read in-process are still served; a prompt the

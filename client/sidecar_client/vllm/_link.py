@@ -32,6 +32,7 @@ from typing import Any, Literal
 
 from sidecar_client import _core
 from sidecar_client._async import AsyncSidecarClient
+from sidecar_client._local import LocalPaths
 from sidecar_client._models import TokenizeResult
 from sidecar_client.errors import (
     DeadlineExceeded,
@@ -49,6 +50,13 @@ from sidecar_client.vllm._stats import PluginStats
 __all__ = ["CHANNEL_OPTIONS", "HandshakeState", "LinkStatus", "Served", "SidecarLink"]
 
 log = logging.getLogger("vllm.tokcache.link")
+
+
+def _log_open_failure(opening: asyncio.Future[Any]) -> None:
+    """Log an in-process open that raised (LocalPaths.get reports the expected refusals itself
+    and answers None); retrieving it keeps asyncio from logging "never retrieved" instead."""
+    if not opening.cancelled() and (exc := opening.exception()) is not None:
+        log.warning("tokcache: opening the in-process path failed; prompts go to the sidecar: %r", exc)
 
 _TRACE_KEYS = frozenset({"traceparent", "tracestate"})
 
@@ -238,8 +246,17 @@ class SidecarLink:
             client.local.set_models(self._models)
             # Map the segment and load the encoder (~1 s) on a worker thread now, not in the
             # first prompt on the event loop; prompts go over RPC until it is done.
-            self._opening = asyncio.get_running_loop().run_in_executor(None, client.local.get, chosen.name)
+            self._open_local(client.local, chosen.name)
         self._set_handshake("ready")
+
+    def _open_local(self, paths: LocalPaths, model: str) -> None:
+        """Open ``model``'s in-process path on a worker thread unless an open is under way
+        (call from the event loop). Also a re-open: a segment replaced by a restarted sidecar,
+        a retry after a failed attach (LocalPaths.get: at most every RETRY_S)."""
+        if self._opening is not None and not self._opening.done():
+            return
+        self._opening = asyncio.get_running_loop().run_in_executor(None, paths.get, model)
+        self._opening.add_done_callback(_log_open_failure)
 
     def _refuse(self, reason: str) -> None:
         self.model = None
@@ -286,7 +303,14 @@ class SidecarLink:
                 return self._not_ready_reason()
             client = self.client()
             metadata = tuple((k, v) for k, v in trace if k in _TRACE_KEYS)
-            local = client.local is not None and client.local.available(model)
+            # Only a path already open here: opening one (mapping, loading the encoder: ~1 s, and
+            # again after a sidecar restart replaced the segment) runs on a worker thread, never
+            # on vLLM's event loop; the sidecar answers meanwhile.
+            local = False
+            if client.local is not None:
+                local = client.local.is_open(model)
+                if not local and client.local.may_open(model):
+                    self._open_local(client.local, model)
             result: TokenizeResult | None = None
             if local and self.breaker.state != "closed":
                 # In-process only: a read that would need the sidecar (a request the cluster

@@ -1,0 +1,41 @@
+"""LocalPaths' bookkeeping of when an in-process path may be opened (no sidecar needed)."""
+
+from __future__ import annotations
+
+import time
+import types
+from pathlib import Path
+
+import pytest
+
+from sidecar_client import _local
+from sidecar_client._local import LocalPaths
+from sidecar_client._models import ModelInfo
+
+
+def _info(name: str, shm_name: str) -> ModelInfo:
+    return ModelInfo(name=name, fingerprint="0" * 32, backend="fastokens", vocab_size=1, boundary_tokens=1,
+                     l1_disabled_reason="", has_chat_template=False, shm_name=shm_name, model_dir="")
+
+
+def test_may_open_is_false_while_a_failed_attempt_waits_for_its_retry(
+        qwen3_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A caller that opens on a worker thread (vLLM's plugin) asks may_open first: a model the
+    sidecar has not listed, or whose last attempt failed less than RETRY_S ago, is not worth a
+    thread; once RETRY_S has passed it is tried again."""
+    clock = [1000.0]
+    # The module's clock only (a copy of the time module whose monotonic is this test's).
+    fake_time = types.SimpleNamespace(**{k: getattr(time, k) for k in dir(time) if not k.startswith("_")})
+    fake_time.monotonic = lambda: clock[0]
+    monkeypatch.setattr(_local, "time", fake_time)
+    paths = LocalPaths({"m": qwen3_path})
+    assert not paths.may_open("m")  # not listed by the sidecar yet
+    paths.set_models([_info("m", "tokcache-test-no-such-segment")])
+    assert paths.may_open("m") and not paths.is_open("m")
+    assert paths.get("m") is None  # no such segment here: RPC for RETRY_S
+    assert paths.stats.snapshot()["fallbacks"] == {}  # counted per request by tokenize, not here
+    assert not paths.may_open("m")
+    clock[0] += _local.RETRY_S
+    assert paths.may_open("m")
+    paths.close()
+    assert not paths.may_open("m")
