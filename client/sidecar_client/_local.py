@@ -761,11 +761,6 @@ class LocalPaths:
             for m in models:
                 self._infos[m.name] = (m.shm_name, m.fingerprint, m.model_dir, getattr(m, "default_mode", ""))
 
-    def available(self, model: str) -> bool:
-        """Whether a request for ``model`` would be answered in this process now (opens the
-        path on first use; False means the RPC path serves it)."""
-        return self.get(model) is not None
-
     def is_open(self, model: str) -> bool:
         """Whether ``model``'s path is open and current (then :meth:`get` returns at once)."""
         local = self._models.get(model)
