@@ -85,11 +85,12 @@ class AsyncSidecarClient:
                 local.set_models(await self.list_models())
             except TokcacheError:
                 pass  # the RPC path reports it
-        if not local.is_open(model) and local.knows(model):
+        job = local.claim_open(model)
+        if job is not None:
             # Opening maps the segment and loads the encoder (~1 s, several on a busy node): in a
-            # worker thread, so the event loop serves other requests meanwhile (over RPC: get
-            # answers None while another thread opens the model). This request waits for it.
-            await self._loop.run_in_executor(None, local.get, model)
+            # worker thread, so the event loop serves other requests meanwhile (over RPC: the
+            # model is claimed as being opened). This request waits for it.
+            await self._loop.run_in_executor(None, job)
         wait = PendingWait()
         while True:
             may_wait = wait.open

@@ -32,8 +32,9 @@ import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from sidecar_client._models import CacheDecision, TokenizeResult
 from sidecar_client._telemetry import trace_local
@@ -724,6 +725,15 @@ class LocalModel:
 RETRY_S = 5.0  # after a failed attach, how long requests go over RPC before trying again
 
 
+class _Claim(NamedTuple):
+    """A model one thread is to open (LocalPaths._claim): what LocalModel.open needs."""
+
+    model: str
+    shm_name: str
+    tokenizer_json: Path | None
+    fingerprint: str
+
+
 class LocalPaths:
     """A client's in-process read paths, one per model; no RPC of its own (sans I/O).
 
@@ -766,23 +776,14 @@ class LocalPaths:
         local = self._models.get(model)
         return local is not None and not local.stale
 
-    def may_open(self, model: str) -> bool:
-        """Whether :meth:`get` would try to open ``model`` now: known, not open and current, not
-        being opened, no failed attempt's RETRY_S pending (a caller opening on a worker thread
-        asks first, rather than handing a thread a call that answers None at once)."""
-        if self.is_open(model):
-            return False
-        with self._lock:
-            return (not self._closed and model in self._infos and model not in self._opening
-                    and time.monotonic() >= self._failed.get(model, (0.0, ""))[0])
-
     def default_mode(self, model: str) -> str:
         """The sidecar's default mode (``--mode``) for requests that name none."""
         info = self._infos.get(model)
         return (info[3] if info else "") or "kv-stable"
 
     def get(self, model: str) -> LocalModel | None:
-        """The model's in-process path, opening it on first use; None: use the RPC path.
+        """The model's in-process path, opening it on first use (in this thread); None: use the
+        RPC path.
 
         Opening (mapping the segment, loading the encoder: ~1 s, more on a busy node)
         happens outside the lock: while one thread opens a model, other callers get None
@@ -791,6 +792,26 @@ class LocalPaths:
         local = self._models.get(model)
         if local is not None and not local.stale:
             return local
+        got = self._claim(model)
+        return self._open(got) if isinstance(got, _Claim) else got
+
+    def claim_open(self, model: str) -> Callable[[], LocalModel | None] | None:
+        """Claim opening ``model`` now, for a worker thread: the call that opens it (run it
+        elsewhere, once), or None when there is nothing to open (open and current, being
+        opened, a failed attempt's RETRY_S pending, not listed, no segment). From the moment it
+        returns, :meth:`get` and :meth:`tokenize` in any thread see the model as being opened
+        (RPC meanwhile): an event loop claims before it hands the call to an executor, so no
+        request of its own can start a second open in between."""
+        if self.is_open(model):
+            return None
+        got = self._claim(model)
+        if not isinstance(got, _Claim):
+            return None
+        return partial(self._open, got)
+
+    def _claim(self, model: str) -> LocalModel | _Claim | None:
+        """Under the lock: the open path (another thread opened it meanwhile), None (RPC), or
+        the claimed open to run (the model is marked as being opened)."""
         with self._lock:
             if self._closed:
                 return None
@@ -816,6 +837,11 @@ class LocalPaths:
             tokenizer_json = find_tokenizer_json(self.tokenizers.get(model), model_dir)
             self._opening.add(model)
             self._failed[model] = (0.0, "opening")
+        return _Claim(model, shm_name, tokenizer_json, fingerprint)
+
+    def _open(self, claim: _Claim) -> LocalModel | None:
+        """Open a claimed model (see :meth:`_claim`) and file it; None when it cannot be."""
+        model, shm_name, tokenizer_json, fingerprint = claim
         try:
             local = LocalModel.open(model, shm_name, tokenizer_json=tokenizer_json, fingerprint=fingerprint,
                                     writable=self.writable, learn=self.learn, stats=self.stats,

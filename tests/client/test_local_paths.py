@@ -18,24 +18,28 @@ def _info(name: str, shm_name: str) -> ModelInfo:
                      l1_disabled_reason="", has_chat_template=False, shm_name=shm_name, model_dir="")
 
 
-def test_may_open_is_false_while_a_failed_attempt_waits_for_its_retry(
+def test_an_open_is_claimed_once_and_not_again_within_a_failed_attempts_retry(
         qwen3_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A caller that opens on a worker thread (vLLM's plugin) asks may_open first: a model the
-    sidecar has not listed, or whose last attempt failed less than RETRY_S ago, is not worth a
-    thread; once RETRY_S has passed it is tried again."""
+    """A caller that opens on a worker thread (an event loop) claims the open first: from then
+    on no other caller starts one (get answers None: RPC meanwhile); a model the sidecar has
+    not listed, or whose last attempt failed less than RETRY_S ago, gives nothing to run; once
+    RETRY_S has passed it is tried again."""
     clock = [1000.0]
     # The module's clock only (a copy of the time module whose monotonic is this test's).
     fake_time = types.SimpleNamespace(**{k: getattr(time, k) for k in dir(time) if not k.startswith("_")})
     fake_time.monotonic = lambda: clock[0]
     monkeypatch.setattr(_local, "time", fake_time)
     paths = LocalPaths({"m": qwen3_path})
-    assert not paths.may_open("m")  # not listed by the sidecar yet
+    assert paths.claim_open("m") is None  # not listed by the sidecar yet
     paths.set_models([_info("m", "tokcache-test-no-such-segment")])
-    assert paths.may_open("m") and not paths.is_open("m")
-    assert paths.get("m") is None  # no such segment here: RPC for RETRY_S
-    assert paths.stats.snapshot()["fallbacks"] == {}  # counted per request by tokenize, not here
-    assert not paths.may_open("m")
+    job = paths.claim_open("m")
+    assert job is not None and not paths.is_open("m")
+    assert paths.claim_open("m") is None and paths.get("m") is None  # claimed: being opened
+    assert job() is None  # no such segment here: RPC for RETRY_S
+    assert paths.claim_open("m") is None and paths.get("m") is None
     clock[0] += _local.RETRY_S
-    assert paths.may_open("m")
+    again = paths.claim_open("m")
+    assert again is not None and again() is None
     paths.close()
-    assert not paths.may_open("m")
+    clock[0] += _local.RETRY_S
+    assert paths.claim_open("m") is None  # closed

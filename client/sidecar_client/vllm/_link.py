@@ -58,6 +58,7 @@ def _log_open_failure(opening: asyncio.Future[Any]) -> None:
     if not opening.cancelled() and (exc := opening.exception()) is not None:
         log.warning("tokcache: opening the in-process path failed; prompts go to the sidecar: %r", exc)
 
+
 _TRACE_KEYS = frozenset({"traceparent", "tracestate"})
 
 HandshakeState = Literal["pending", "ready", "refused", "unreachable", "disabled"]
@@ -250,12 +251,14 @@ class SidecarLink:
         self._set_handshake("ready")
 
     def _open_local(self, paths: LocalPaths, model: str) -> None:
-        """Open ``model``'s in-process path on a worker thread unless an open is under way
-        (call from the event loop). Also a re-open: a segment replaced by a restarted sidecar,
-        a retry after a failed attach (LocalPaths.get: at most every RETRY_S)."""
-        if self._opening is not None and not self._opening.done():
+        """Open ``model``'s in-process path on a worker thread when there is one to open (call
+        from the event loop): the first, a segment replaced by a restarted sidecar, a retry
+        after a failed attach (at most every RETRY_S). Claimed here, before the thread runs, so
+        this prompt's own RPC fallback (AsyncSidecarClient) finds it being opened."""
+        job = paths.claim_open(model)
+        if job is None:
             return
-        self._opening = asyncio.get_running_loop().run_in_executor(None, paths.get, model)
+        self._opening = asyncio.get_running_loop().run_in_executor(None, job)
         self._opening.add_done_callback(_log_open_failure)
 
     def _refuse(self, reason: str) -> None:
@@ -309,7 +312,7 @@ class SidecarLink:
             local = False
             if client.local is not None:
                 local = client.local.is_open(model)
-                if not local and client.local.may_open(model):
+                if not local:
                     self._open_local(client.local, model)
             result: TokenizeResult | None = None
             if local and self.breaker.state != "closed":
