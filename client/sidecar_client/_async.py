@@ -89,8 +89,10 @@ class AsyncSidecarClient:
         if job is not None:
             # Opening maps the segment and loads the encoder (~1 s, several on a busy node): in a
             # worker thread, so the event loop serves other requests meanwhile (over RPC: the
-            # model is claimed as being opened). This request waits for it.
-            await self._loop.run_in_executor(None, job)
+            # model is claimed as being opened). This request waits for it; shielded, as a
+            # cancelled call must not cancel a claimed open before it runs (the model would
+            # stay "being opened" for good).
+            await asyncio.shield(self._loop.run_in_executor(None, job))
         wait = PendingWait()
         while True:
             may_wait = wait.open
