@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -55,6 +56,23 @@ def _metric(port: int, series: str) -> float:
             if line.startswith(series + " "):
                 return float(line.rsplit(" ", 1)[1])
     raise AssertionError(f"{series} is not exposed")
+
+
+def _hold_opens(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:
+    """Make every LocalModel.open from now on set the first event, then wait (at most 30 s) for
+    the second before opening: (entered, release)."""
+    from sidecar_client import _local
+
+    real_open = _local.LocalModel.open
+    entered, release = threading.Event(), threading.Event()
+
+    def held_open(*args: object, **kwargs: object) -> _local.LocalModel:
+        entered.set()
+        assert release.wait(30)
+        return real_open(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_local.LocalModel, "open", staticmethod(held_open))
+    return entered, release
 
 
 def _conversation(turns: int) -> list[str]:
@@ -261,18 +279,9 @@ def test_while_one_thread_opens_the_segment_other_requests_use_rpc(
     import threading
     import time
 
-    from sidecar_client import _local
 
     proc, _ = sidecar
-    real_open = _local.LocalModel.open
-    entered, release = threading.Event(), threading.Event()
-
-    def slow_open(*args: object, **kwargs: object) -> _local.LocalModel:
-        entered.set()
-        assert release.wait(30)
-        return real_open(*args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(_local.LocalModel, "open", staticmethod(slow_open))
+    entered, release = _hold_opens(monkeypatch)
     with SidecarClient(proc.address) as c:
         c._local.set_models(c.list_models())  # type: ignore[union-attr]
         opener = threading.Thread(target=c._local.get, args=("qwen3",))  # type: ignore[union-attr]
@@ -307,21 +316,11 @@ def test_the_async_client_opens_the_segment_off_its_event_loop(
     ~1 s) in a worker thread: the event loop keeps running meanwhile, and a request that
     arrives then is answered over RPC; the first is then read in-process."""
     import asyncio
-    import threading
     import time
 
-    from sidecar_client import _local
 
     proc, _ = sidecar
-    real_open = _local.LocalModel.open
-    entered, release = threading.Event(), threading.Event()
-
-    def slow_open(*args: object, **kwargs: object) -> _local.LocalModel:
-        entered.set()
-        assert release.wait(30)
-        return real_open(*args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(_local.LocalModel, "open", staticmethod(slow_open))
+    entered, release = _hold_opens(monkeypatch)
 
     async def main() -> None:
         async with AsyncSidecarClient(proc.address) as c:
@@ -381,10 +380,8 @@ def test_the_plugin_maps_a_replaced_segment_again_off_its_event_loop(
     used to do that inside the prompt, on vLLM's event loop: ~1-3 s of every request of the
     API server stalled), then are read in-process again, with the reference's ids."""
     import asyncio
-    import threading
     import time
 
-    from sidecar_client import _local
     from sidecar_client.vllm._config import PluginConfig
     from sidecar_client.vllm._link import Served, SidecarLink
     from sidecar_client.vllm._stats import PluginStats
@@ -397,13 +394,8 @@ def test_the_plugin_maps_a_replaced_segment_again_off_its_event_loop(
     first = SidecarProcess(tmp_path / "a", {"qwen3": qwen3_path}, shm_prefix).start()
     second = SidecarProcess(tmp_path / "a", {"qwen3": qwen3_path}, shm_prefix)
     second.cmd[second.cmd.index("--shm-size") + 1] = "48MiB"  # another size: the segment is replaced
-    real_open = _local.LocalModel.open
-    entered, release = threading.Event(), threading.Event()
-
-    def held_open(*args: object, **kwargs: object) -> _local.LocalModel:
-        entered.set()
-        assert release.wait(30)
-        return real_open(*args, **kwargs)  # type: ignore[arg-type]
+    entered, release = _hold_opens(monkeypatch)
+    release.set()  # the handshake's open goes through; the open after the restart is held
 
     async def main() -> None:
         link = SidecarLink(PluginConfig(address=first.address, timeout_s=5.0), fingerprint_of(tj), PluginStats(),
@@ -416,7 +408,8 @@ def test_the_plugin_maps_a_replaced_segment_again_off_its_event_loop(
         assert isinstance(out, Served) and out.served_by == "local"
         first.stop()
         second.start()
-        monkeypatch.setattr(_local.LocalModel, "open", staticmethod(held_open))
+        entered.clear()
+        release.clear()
         served: list[Served] = []
         deadline = time.monotonic() + 60
         for text in texts[1:3]:  # while the new segment's open is held: the sidecar answers
@@ -682,7 +675,6 @@ def test_the_background_thread_looks_rarely_while_requests_keep_coming(
     let it; 43 in CI when a pause was judged by heads offered, which not every request makes);
     once they pause it still settles the last read and builds its head, and the ids are right
     throughout."""
-    import threading
     import time
 
     proc, _ = sidecar
