@@ -92,7 +92,14 @@ class AsyncSidecarClient:
             # model is claimed as being opened). This request waits for it; shielded, as a
             # cancelled call must not cancel a claimed open before it runs (the model would
             # stay "being opened" for good).
-            await asyncio.shield(self._loop.run_in_executor(None, job))
+            try:
+                opening = self._loop.run_in_executor(None, job)
+            except RuntimeError:  # the loop's executor was shut down: this request goes over RPC
+                job.cancel()
+                local.count_fallback(model)
+                return None
+            else:
+                await asyncio.shield(opening)
         wait = PendingWait()
         while True:
             may_wait = wait.open

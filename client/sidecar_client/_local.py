@@ -32,7 +32,6 @@ import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -49,7 +48,7 @@ from tokcache.store import Kind, LockTimeout, SegmentError, SegmentMismatch, Sto
 from tokcache.store._layout import RETIRED_MARK, W_RETIRED
 from tokcache.store.keys import output_key, pending_key
 
-__all__ = ["MIN_WRITE_BYTES", "LocalModel", "LocalPaths", "LocalStats", "LocalUnavailable", "RecordPending",
+__all__ = ["MIN_WRITE_BYTES", "LocalModel", "LocalPaths", "LocalStats", "LocalUnavailable", "OpenJob", "RecordPending",
            "WriteBehind", "find_tokenizer_json"]
 
 log = logging.getLogger("sidecar_client.local")
@@ -734,6 +733,26 @@ class _Claim(NamedTuple):
     fingerprint: str
 
 
+class OpenJob:
+    """A claimed open (:meth:`LocalPaths.claim_open`): call it once, on a worker thread, to
+    open the model (its LocalModel, or None when it cannot be opened); or :meth:`cancel` it
+    when it cannot be run (an executor that was shut down), else the model would stay
+    "being opened", and so read over RPC, for the client's life."""
+
+    __slots__ = ("_paths", "_claim")
+
+    def __init__(self, paths: LocalPaths, claim: _Claim) -> None:
+        self._paths = paths
+        self._claim = claim
+
+    def __call__(self) -> LocalModel | None:
+        return self._paths._open(self._claim)
+
+    def cancel(self) -> None:
+        """Give the claim back without opening (do not call it after running the job)."""
+        self._paths._unclaim(self._claim.model)
+
+
 class LocalPaths:
     """A client's in-process read paths, one per model; no RPC of its own (sans I/O).
 
@@ -795,19 +814,27 @@ class LocalPaths:
         got = self._claim(model)
         return self._open(got) if isinstance(got, _Claim) else got
 
-    def claim_open(self, model: str) -> Callable[[], LocalModel | None] | None:
+    def claim_open(self, model: str) -> OpenJob | None:
         """Claim opening ``model`` now, for a worker thread: the call that opens it (run it
-        elsewhere, once), or None when there is nothing to open (open and current, being
-        opened, a failed attempt's RETRY_S pending, not listed, no segment). From the moment it
-        returns, :meth:`get` and :meth:`tokenize` in any thread see the model as being opened
-        (RPC meanwhile): an event loop claims before it hands the call to an executor, so no
-        request of its own can start a second open in between."""
+        elsewhere, once, or give the claim back with :meth:`OpenJob.cancel`), or None when
+        there is nothing to open (open and current, being opened, a failed attempt's RETRY_S
+        pending, not listed, no segment). From the moment it returns, :meth:`get` and
+        :meth:`tokenize` in any thread see the model as being opened (RPC meanwhile): an event
+        loop claims before it hands the call to an executor, so no request of its own can
+        start a second open in between."""
         if self.is_open(model):
             return None
         got = self._claim(model)
         if not isinstance(got, _Claim):
             return None
-        return partial(self._open, got)
+        return OpenJob(self, got)
+
+    def _unclaim(self, model: str) -> None:
+        """Give back a claim whose open never ran (OpenJob.cancel): the model may be opened again."""
+        with self._lock:
+            self._opening.discard(model)
+            if self._failed.get(model, (0.0, ""))[1] == "opening":
+                del self._failed[model]
 
     def _claim(self, model: str) -> LocalModel | _Claim | None:
         """Under the lock: the open path (another thread opened it meanwhile), None (RPC), or

@@ -43,3 +43,20 @@ def test_an_open_is_claimed_once_and_not_again_within_a_failed_attempts_retry(
     paths.close()
     clock[0] += _local.RETRY_S
     assert paths.claim_open("m") is None  # closed
+
+
+def test_a_claimed_open_that_cannot_run_gives_its_claim_back(qwen3_path: Path) -> None:
+    """An open claimed for a worker thread that never runs it (an executor already shut down)
+    is cancelled: the model is no longer "being opened", so a later request can open it;
+    without that, every request would go over RPC for the client's life."""
+    paths = LocalPaths({"m": qwen3_path})
+    paths.set_models([_info("m", "tokcache-test-no-such-segment")])
+    job = paths.claim_open("m")
+    assert job is not None
+    assert paths.claim_open("m") is None  # claimed
+    job.cancel()
+    again = paths.claim_open("m")
+    assert again is not None  # claimable again, at once (no failed attempt's RETRY_S)
+    assert again() is None  # no such segment: a real attempt, which does start RETRY_S
+    assert paths.claim_open("m") is None
+    paths.close()

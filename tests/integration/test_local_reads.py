@@ -341,6 +341,31 @@ def test_the_async_client_opens_the_segment_off_its_event_loop(
     asyncio.run(main())
 
 
+def test_an_async_read_whose_loop_cannot_run_the_open_goes_over_rpc_and_opens_later(
+        sidecar: tuple[SidecarProcess, int]) -> None:
+    """An event loop whose executor was shut down (an application exiting) cannot run the
+    open: the request is answered over RPC and the claim given back, so once the loop has an
+    executor again the model is opened and read in-process (not "being opened" for good)."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    proc, _ = sidecar
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        gone = ThreadPoolExecutor(1)
+        gone.shutdown()
+        loop.set_default_executor(gone)
+        async with AsyncSidecarClient(proc.address) as c:
+            r = await c.tokenize("qwen3", text="no executor to open the segment on", add_special_tokens=False)
+            assert r.served_by == "sidecar" and r.token_ids
+            loop.set_default_executor(ThreadPoolExecutor(2))
+            again = await c.tokenize("qwen3", text="an executor again", add_special_tokens=False)
+            assert again.served_by == "local"
+
+    asyncio.run(main())
+
+
 def test_the_plugin_opens_the_segment_during_its_handshake(
         sidecar: tuple[SidecarProcess, int], qwen3_path: Path) -> None:
     """vLLM's first prompt does not pay for mapping the segment and loading the encoder on
@@ -367,6 +392,48 @@ def test_the_plugin_opens_the_segment_during_its_handshake(
         assert local is not None and link.client().local is not None
         assert link.client().local._models == {"qwen3": local}  # type: ignore[union-attr]
         out = await link.tokenize("<|im_start|>user\nhi<|im_end|>\n", add_special_tokens=False, cache_salt=None)
+        assert isinstance(out, Served) and out.served_by == "local"
+        await link.close()
+
+    asyncio.run(main())
+
+
+def test_the_plugin_whose_loop_cannot_run_the_open_reads_over_rpc_and_opens_later(
+        sidecar: tuple[SidecarProcess, int], qwen3_path: Path) -> None:
+    """vLLM's loop with its executor shut down (the server exiting): the handshake cannot
+    start the open, prompts are answered by the sidecar, and the claim is given back, so
+    with an executor again the next prompt starts the open and later ones are read
+    in-process."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    from sidecar_client.vllm._config import PluginConfig
+    from sidecar_client.vllm._link import Served, SidecarLink
+    from sidecar_client.vllm._stats import PluginStats
+    from tokcache.engine.tokenizer import fingerprint_of
+
+    proc, _ = sidecar
+    tj = qwen3_path / "tokenizer.json"
+    prompt = "<|im_start|>user\nhi<|im_end|>\n"
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        gone = ThreadPoolExecutor(1)
+        gone.shutdown()
+        loop.set_default_executor(gone)
+        link = SidecarLink(PluginConfig(address=proc.address, timeout_s=5.0), fingerprint_of(tj), PluginStats(),
+                           tokenizer_file=str(tj))
+        task = link._maybe_start_handshake()
+        assert task is not None
+        await task
+        assert link.ready and link._opening is None
+        out = await link.tokenize(prompt, add_special_tokens=False, cache_salt=None)
+        assert isinstance(out, Served) and out.served_by == "sidecar"
+        loop.set_default_executor(ThreadPoolExecutor(2))
+        out = await link.tokenize(prompt, add_special_tokens=False, cache_salt=None)
+        assert isinstance(out, Served)  # its open started on a worker thread
+        assert link._opening is not None and await link._opening is not None
+        out = await link.tokenize(prompt, add_special_tokens=False, cache_salt=None)
         assert isinstance(out, Served) and out.served_by == "local"
         await link.close()
 

@@ -258,7 +258,12 @@ class SidecarLink:
         job = paths.claim_open(model)
         if job is None:
             return
-        self._opening = asyncio.get_running_loop().run_in_executor(None, job)
+        try:
+            self._opening = asyncio.get_running_loop().run_in_executor(None, job)
+        except RuntimeError as exc:  # the loop's executor was shut down (vLLM is exiting)
+            job.cancel()
+            log.debug("tokcache: could not start opening %r in this process: %s", model, exc)
+            return
         self._opening.add_done_callback(_log_open_failure)
 
     def _refuse(self, reason: str) -> None:
