@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from tokcache.engine import ids as ids_mod
 from tokcache.engine import lookup as lookup_mod
 from tokcache.engine.boundaries import Scan
 from tokcache.engine.ids import LISTS, Chunks, untrack
@@ -253,6 +254,48 @@ def test_what_a_reader_keeps_costs_the_garbage_collector_nothing(engine: ModelEn
         store.close()
     with pytest.raises(TypeError):
         untrack((1, 2))  # type: ignore[arg-type]
+
+
+def test_a_tail_handed_out_raw_is_kept_with_interned_ints(engine: ModelEngine, own_model: ReadModel) -> None:
+    """A turn's new ids are appended to the caller's head as the encoder made them, and made this
+    process's (IdFormat.own: one int object per id value) in settle, where they join the memo.
+    With an encoder that makes new ints every call (``tokenizers``; fastokens hands out the same
+    objects each time), the kept encoding still holds only the interned ones."""
+    import dataclasses
+
+    from tokcache.engine.encoder import TokenizersEncoder
+
+    model = dataclasses.replace(own_model, encoder=TokenizersEncoder(engine.tokenizer_json))
+    store = Store.open(prefix=f"tkt-fast-{uuid.uuid4().hex[:8]}", fingerprint=engine.fingerprint, size=16 << 20,
+                       id_bytes=3)
+    reader = StoreReader.attach_name(store.name)
+    try:
+        memo: ChainMemo[Chunks] = ChainMemo(LISTS)
+        lk: Lookup[Chunks, list[int]] = Lookup(model, reader, memo, defer=True)
+        table = ids_mod._interned()
+        rng = random.Random(f"{engine.name}-raw")
+        msgs: list[dict[str, Any]] = [{"role": "system", "content": _para(rng, 200)}]
+        raw = 0
+        for turn in range(16):
+            msgs.append({"role": "user", "content": _para(rng, rng.randint(20, 300))})
+            text = engine.render(msgs, add_generation_prompt=True)
+            got = lk.tokenize(text, add_special_tokens=False, mode="exact")
+            assert got.ids == engine.reference.encode(text), turn
+            assert got.later is not None
+            raw += got.later.tail.raw
+            write, ready = lk.settle(got.later)
+            enc = got.later.scan.encoded
+            assert enc is not None and all(x is table[x] for x in enc.ids), turn
+            if write is not None:
+                commit(store, memo, write)
+            if ready is not None:
+                lk.heads.build(ready)
+            msgs.append({"role": "assistant", "content": _para(rng, rng.randint(5, 80))})
+        assert raw >= 4, raw  # the head path ran (else this tested nothing)
+    finally:
+        reader.close()
+        store.unlink()
+        store.close()
 
 
 def test_native_cut_tokens_equals_the_python_walk(engine: ModelEngine, model: ReadModel,
