@@ -17,6 +17,7 @@ import random
 import uuid
 from collections import OrderedDict, deque
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +102,20 @@ def _read_model(engine: ModelEngine) -> Iterator[ReadModel]:
         store.close()
 
 
+@contextmanager
+def _segment(engine: ModelEngine) -> Iterator[tuple[Store, StoreReader]]:
+    """A fresh 16 MiB segment for ``engine``'s tokenizer and a read-only mapping of it (both gone after)."""
+    store = Store.open(prefix=f"tkt-fast-{uuid.uuid4().hex[:8]}", fingerprint=engine.fingerprint, size=16 << 20,
+                       id_bytes=3)
+    reader = StoreReader.attach_name(store.name)
+    try:
+        yield store, reader
+    finally:
+        reader.close()
+        store.unlink()
+        store.close()
+
+
 @pytest.mark.parametrize("defer", [False, True], ids=["settled", "deferred"])
 @pytest.mark.parametrize("mode,add,salt,record", [("exact", False, "", False), ("exact", True, "t", False),
                                                   ("kv-stable", False, "", False), ("kv-stable", True, "tenant", False),
@@ -114,12 +129,9 @@ def test_native_and_python_paths_agree_along_long_chats(engine: ModelEngine, mod
     the same write and head as settling at once. ``recorded``: each answer is recorded (the
     sidecar's RecordOutput, into the same segment) before the next turn, as vLLM's outputs
     are, so the native path makes AR keys and the prefix AR hit decides."""
-    store = Store.open(prefix=f"tkt-fast-{uuid.uuid4().hex[:8]}", fingerprint=engine.fingerprint, size=16 << 20,
-                       id_bytes=3)
-    reader = StoreReader.attach_name(store.name)
     counting = _Counting(lookup_mod._native)
     monkeypatch.setattr(lookup_mod, "_native", counting)
-    try:
+    with _segment(engine) as (store, reader):
         fast_memo: ChainMemo[Chunks] = ChainMemo(LISTS)
         ref_memo: ChainMemo[Chunks] = ChainMemo(LISTS)
         fast: Lookup[Chunks, list[int]] = Lookup(own_model, reader, fast_memo, defer=defer)
@@ -196,10 +208,6 @@ def test_native_and_python_paths_agree_along_long_chats(engine: ModelEngine, mod
         elif not (add and model.affixes.prefix):
             assert fast.heads.used >= turns // 3, (fast.heads.built, fast.heads.used)
         assert ref.heads.used == 0
-    finally:
-        reader.close()
-        store.unlink()
-        store.close()
 
 
 _CONTAINERS = (dict, list, tuple, set, frozenset, OrderedDict, deque)
@@ -227,10 +235,7 @@ def test_what_a_reader_keeps_costs_the_garbage_collector_nothing(engine: ModelEn
     only ints and tuples of ints, so they are untracked by the cyclic collector: each
     collection of the caller's process would visit every id of every conversation kept.
     The caller's own list stays tracked (it may put anything in it)."""
-    store = Store.open(prefix=f"tkt-fast-{uuid.uuid4().hex[:8]}", fingerprint=engine.fingerprint, size=16 << 20,
-                       id_bytes=3)
-    reader = StoreReader.attach_name(store.name)
-    try:
+    with _segment(engine) as (store, reader):
         memo: ChainMemo[Chunks] = ChainMemo(LISTS)
         lk: Lookup[Chunks, list[int]] = Lookup(own_model, reader, memo)
         rng = random.Random(f"{engine.name}-gc")
@@ -248,10 +253,6 @@ def test_what_a_reader_keeps_costs_the_garbage_collector_nothing(engine: ModelEn
         spans = [s.spans for s in kept if isinstance(s, Scan) and s.spans]
         assert len(id_lists) >= 3 and spans, (len(id_lists), len(spans))  # else this tests nothing
         assert not [len(x) for x in id_lists + spans if gc.is_tracked(x)]
-    finally:
-        reader.close()
-        store.unlink()
-        store.close()
     with pytest.raises(TypeError):
         untrack((1, 2))  # type: ignore[arg-type]
 
@@ -266,10 +267,7 @@ def test_a_tail_handed_out_raw_is_kept_with_interned_ints(engine: ModelEngine, o
     from tokcache.engine.encoder import TokenizersEncoder
 
     model = dataclasses.replace(own_model, encoder=TokenizersEncoder(engine.tokenizer_json))
-    store = Store.open(prefix=f"tkt-fast-{uuid.uuid4().hex[:8]}", fingerprint=engine.fingerprint, size=16 << 20,
-                       id_bytes=3)
-    reader = StoreReader.attach_name(store.name)
-    try:
+    with _segment(engine) as (store, reader):
         memo: ChainMemo[Chunks] = ChainMemo(LISTS)
         lk: Lookup[Chunks, list[int]] = Lookup(model, reader, memo, defer=True)
         table = ids_mod._interned()
@@ -292,10 +290,6 @@ def test_a_tail_handed_out_raw_is_kept_with_interned_ints(engine: ModelEngine, o
                 lk.heads.build(ready)
             msgs.append({"role": "assistant", "content": _para(rng, rng.randint(5, 80))})
         assert raw >= 4, raw  # the head path ran (else this tested nothing)
-    finally:
-        reader.close()
-        store.unlink()
-        store.close()
 
 
 def test_native_cut_tokens_equals_the_python_walk(engine: ModelEngine, model: ReadModel,
@@ -354,10 +348,7 @@ def test_a_stale_build_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_no_head_where_a_recorded_output_may_apply(engine: ModelEngine, model: ReadModel, mode: str) -> None:
     """Once the segment has held an AR record, kv-stable requests neither leave nor take
     heads (their ids may hold recorded outputs, not the text's plain encoding); exact ones do."""
-    store = Store.open(prefix=f"tkt-fast-{uuid.uuid4().hex[:8]}", fingerprint=engine.fingerprint, size=16 << 20,
-                       id_bytes=3)
-    reader = StoreReader.attach_name(store.name)
-    try:
+    with _segment(engine) as (store, reader):
         assert store.put(None, 0, pack_ids([1, 2]), [(b"\x01" * 16, 2)], Kind.AR) is not None
         assert reader.holds_ar()
         lk: Lookup[Chunks, list[int]] = Lookup(model, reader, ChainMemo(LISTS))
@@ -379,10 +370,6 @@ def test_no_head_where_a_recorded_output_may_apply(engine: ModelEngine, model: R
             assert readies >= 4 and lk.heads.used >= 3, (readies, lk.heads.used)
         else:
             assert readies == 0 and lk.heads.used == 0
-    finally:
-        reader.close()
-        store.unlink()
-        store.close()
 
 
 def test_native_join_equals_the_python_result(monkeypatch: pytest.MonkeyPatch) -> None:
