@@ -40,6 +40,10 @@ class Encoder(Protocol):
     """Text → raw token ids. Implementations are thread-safe."""
 
     name: str
+    # True when the encoder hands out one int object per id value, the same on every call
+    # (fastokens keeps one per vocabulary id): its lists need no interning (IdFormat.own),
+    # which would replace each int by itself. Probed at load, never assumed from the name.
+    shared_ints: bool
 
     def encode(self, text: str) -> list[int]:
         """Ids of ``text`` without post-processor special tokens."""
@@ -69,6 +73,7 @@ class _HfStyleEncoder:
 
     name = ""
     tokenizer: Any
+    shared_ints = False
 
     def _setup(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
@@ -79,7 +84,8 @@ class _HfStyleEncoder:
         # Native encoders initialise parts of themselves on first use (fastokens: 50-300 ms
         # on a busy node for the first chat text, measured with 4 client processes on 2
         # cores): pay it here, at load, not in the first request a process serves.
-        self.tokenizer.encode(_WARM_UP, add_special_tokens=False)
+        first = self.tokenizer.encode(_WARM_UP, add_special_tokens=False).ids
+        self.shared_ints = _same_objects(first, self.tokenizer.encode(_WARM_UP, add_special_tokens=False).ids)
 
     def encode(self, text: str) -> list[int]:
         ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False).ids  # a new list per call
@@ -106,6 +112,13 @@ class _HfStyleEncoder:
     def encode_segments(self, texts: Sequence[str]) -> tuple[bytes, list[int]]:
         ids, ends = self.encode_pieces(texts)
         return _le(array("I", ids)), ends
+
+
+def _same_objects(a: list[int], b: list[int]) -> bool:
+    """True when two encodings of one text hold the same int objects for every id that
+    CPython does not cache itself (-5..256 are always shared, so they prove nothing)."""
+    big = [i for i, x in enumerate(a) if x > 256]
+    return bool(big) and len(a) == len(b) and all(a[i] is b[i] for i in big)
 
 
 class TokenizersEncoder(_HfStyleEncoder):

@@ -383,6 +383,11 @@ class Lookup(Generic[Ids, Out]):
         self.store = store
         self.memo: ChainMemo[Ids] = memo
         self.fmt: IdFormat[Ids, Out] = memo.fmt
+        # The encoder's lists as this format keeps them (IdFormat.own): as they come when the
+        # encoder already shares one int object per id (Encoder.shared_ints). Interning
+        # fastokens' output replaced each int by itself: ~4% of a client's CPU per request
+        # (py-spy, one process replaying 57 KB chats).
+        self._own = _same if getattr(model.encoder, "shared_ints", False) else self.fmt.own
         self.limits = limits or Limits()
         # (store, the native fast path's context for it): see _extend.
         self._fast_ctx: tuple[CacheView, tuple[Any, ...]] | None = None
@@ -435,7 +440,7 @@ class Lookup(Generic[Ids, Out]):
             # The post-processor does more than wrap raw ids: no cache for this request.
             decision.l1_disabled_reason = f"add_special_tokens: {affixes.reason}"
             decision.encoded_chars = n_chars
-            ids = self.fmt.from_list(self.fmt.own(self.model.encoder.encode_full(data.decode("utf-8"))))
+            ids = self.fmt.from_list(self._own(self.model.encoder.encode_full(data.decode("utf-8"))))
             return Result(self.fmt.result(ids, self.fmt.count(ids)), decision)
         t0 = time.perf_counter_ns()
         spans = scan.spans
@@ -531,7 +536,7 @@ class Lookup(Generic[Ids, Out]):
         scan, hit, tail = later.scan, later.hit, later.tail
         if tail.raw:
             assert tail.new is not None
-            tail.new = self.fmt.own(tail.new)
+            tail.new = self._own(tail.new)
             tail.raw = False
         keys = later.keys
         if keys is None:
@@ -649,12 +654,12 @@ class Lookup(Generic[Ids, Out]):
                 head = None if head_at is None else self.heads.take(base, cut, head_at + hi - lo)
                 new = self.model.encoder.encode(scan.data[cut:].decode("utf-8"))
                 if head is None:
-                    new = self.fmt.own(new)
+                    new = self._own(new)
                 # With a head the caller gets a copy of ``new`` appended to it, and the ints this
                 # process keeps (IdFormat.own: one object per id value) are made after the reply,
                 # where ``new`` joins the memo: ~40 µs of a cold request for a 1-3 KB turn.
                 return _Tail(None, None, 0, head, new, memo, lo, hi, cut, canonical=True, raw=head is not None)
-        ids = self.fmt.own(self.model.encoder.encode(tail_text if tail_text is not None
+        ids = self._own(self.model.encoder.encode(tail_text if tail_text is not None
                                                      else scan.data[start:].decode("utf-8")))
         return _Tail(ids, None, 0, cut=start, canonical=True)
 
@@ -898,7 +903,7 @@ class Lookup(Generic[Ids, Out]):
             if self.model.boundary_ids:
                 return self._canonical_tail(scan, keyed, tail_text, hit.start)
             flat, ends = encoder.encode_pieces([(b + t).decode("utf-8") for b, t in pieces])
-            return _Tail(self.fmt.own(flat), ends, 0)
+            return _Tail(self._own(flat), ends, 0)
         # Spliced pieces are encoded as two texts (header, token) around the recorded ids.
         texts: list[str] = []
         for k, (body, token) in enumerate(pieces):
@@ -907,7 +912,7 @@ class Lookup(Generic[Ids, Out]):
             else:
                 texts.append((body + token).decode("utf-8"))
         flat, ends = encoder.encode_pieces(texts)
-        flat = self.fmt.own(flat)
+        flat = self._own(flat)
         out: list[int] = []
         piece_ends: list[int] = []
         prev = e = spliced = 0
@@ -926,6 +931,11 @@ class Lookup(Generic[Ids, Out]):
                 e += 1
             piece_ends.append(len(out))
         return _Tail(out, piece_ends, spliced)
+
+
+def _same(ids: list[int]) -> list[int]:
+    """``ids`` as they are (see Lookup._own)."""
+    return ids
 
 
 def _cut_tokens(scan: Scan, keyed: list[int], ids: list[int], id_of: Mapping[bytes, int], start: int, pos: int,

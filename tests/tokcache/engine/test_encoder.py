@@ -25,3 +25,17 @@ def test_fastokens_segment_cache_stays_off_whatever_the_environment(
     ref = TokenizersEncoder(path)
     text = "<|im_start|>user\nhello  world\n\n<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nHi"
     assert enc.encode(text) == ref.encode(text)
+
+
+def test_shared_ints_is_what_the_backend_does(tokenizer_path: Path) -> None:
+    """``shared_ints`` (the lookup then leaves the encoder's lists uninterned) is probed at
+    load, and holds on other texts: fastokens hands out one int object per id on every call,
+    ``tokenizers`` makes new ones (whose lists the lookup interns)."""
+    text = "The quick brown fox 🦊 jumps over the lazy dog, naïvely; 数据 <|im_end|> 12345 and more text"
+    path = tokenizer_path / "tokenizer.json"
+    for cls, shared in ((FastokensEncoder, True), (TokenizersEncoder, False)):
+        enc = cls(path)
+        assert enc.shared_ints is shared, cls
+        a, b = enc.encode(text), enc.encode(text[:-5] + " text")
+        big = [i for i, x in enumerate(a[:-2]) if x > 256]
+        assert big and all((a[i] is b[i]) is shared for i in big), cls
