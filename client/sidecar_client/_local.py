@@ -260,6 +260,7 @@ class WriteBehind:
         self._parked = False  # the thread waits for an offer (else it looks every WRITER_TICK_S)
         self._closed = False
         self._request_at = 0.0  # time.monotonic() of the last request begun (see note_request)
+        self._request_end = 0.0  # and of the last one ended (note_done)
 
     def attach(self, settler: Settler) -> None:
         """Have the background thread and :meth:`flush` settle ``settler``'s reads too (before
@@ -287,9 +288,14 @@ class WriteBehind:
         return True
 
     def note_request(self) -> None:
-        """Note that a request begins: bookkeeping and heads wait until none began for
-        HEADS_QUIET_S. (A single float store, no lock: the background thread only compares it.)"""
+        """Note that a request begins: bookkeeping and heads wait until it ended (note_done)
+        and none began for HEADS_QUIET_S. (A single float store, no lock: the background thread
+        only compares it.)"""
         self._request_at = time.monotonic()
+
+    def note_done(self) -> None:
+        """Note that the request begun last (note_request) ended, whatever its outcome."""
+        self._request_end = time.monotonic()
 
     def _quiet_in(self, offered_left: float = 0.0) -> float:
         """Seconds until a pause (<= 0: now): no request begun for HEADS_QUIET_S and, for heads,
@@ -297,8 +303,17 @@ class WriteBehind:
         by records and the background settling). Reads' bookkeeping is only queued by requests,
         so the request time is its own. Heads are not offered by every request: judged by offers
         alone, a "pause" came whenever a few requests offered none, and each cost a look and a
-        GIL hand-off while requests kept coming (CI: 43 looks in a 1 s burst)."""
-        return max(offered_left, self._request_at + HEADS_QUIET_S - time.monotonic())
+        GIL hand-off while requests kept coming (CI: 43 looks in a 1 s burst).
+
+        A request still being served is no pause however long ago it began: with more busy
+        processes than cores a process waits for a core for tens of ms in the middle of its
+        requests, and judged by the start alone the thread took every such wait for a pause,
+        woke, took the GIL from the request (two context switches, and cold caches after),
+        and looked again every HEADS_QUIET_S after (the backoff starts over at a pause)."""
+        begun, ended = self._request_at, self._request_end
+        if begun > ended:
+            return max(offered_left, HEADS_QUIET_S)
+        return max(offered_left, ended + HEADS_QUIET_S - time.monotonic())
 
     def poke(self) -> None:
         """Have the background thread build the heads offered (see :meth:`_wake`)."""
@@ -631,18 +646,22 @@ class LocalModel:
         # Earlier reads' bookkeeping first (this request may extend what it files), then
         # the previous turn's entries, which may still be on their way to the segment: a
         # request that extends them stores them first (~0.1 ms of work) rather than missing them.
-        self.writer.note_request()
-        if self.settler.pending:
-            self.settler.run()
-        if not self.writer.idle:
-            self.writer.settle_related(text, WAIT_RELATED_S)
-        result = self.lookup.tokenize(text, add_special_tokens=add_special_tokens, salt=salt, mode=mode,
-                                      tier=self.tier)
-        if may_wait and result.decision.ar_pending:
-            raise RecordPending(self.name)  # its bookkeeping is dropped: as if never read
-        if result.later is not None:
-            self.settler.add(result.later, text, salt, mode)
-            self.writer.poke()
+        writer = self.writer
+        writer.note_request()
+        try:
+            if self.settler.pending:
+                self.settler.run()
+            if not writer.idle:
+                writer.settle_related(text, WAIT_RELATED_S)
+            result = self.lookup.tokenize(text, add_special_tokens=add_special_tokens, salt=salt, mode=mode,
+                                          tier=self.tier)
+            if may_wait and result.decision.ar_pending:
+                raise RecordPending(self.name)  # its bookkeeping is dropped: as if never read
+            if result.later is not None:
+                self.settler.add(result.later, text, salt, mode)
+                writer.poke()
+        finally:
+            writer.note_done()
         return result
 
     def store_for_record(self, prompt_text: str, salt: str) -> None:

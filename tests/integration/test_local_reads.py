@@ -786,6 +786,40 @@ def test_the_background_thread_looks_rarely_while_requests_keep_coming(
         assert not local.settler.pending and not local.lookup.heads.pending
 
 
+
+def test_a_request_still_being_served_is_no_pause(sidecar: tuple[SidecarProcess, int], qwen3_path: Path) -> None:
+    """A process that waits for a core in the middle of a request (16 busy processes on 2 cores
+    wait tens of ms at a time) has not paused: the write-behind thread leaves the bookkeeping of
+    the read before it queued until the request ended (before, it took each such wait for a
+    pause and took the GIL from the request), then settles it on its own."""
+    import time
+
+    proc, _ = sidecar
+    ref = tokenizers.Tokenizer.from_file(str(qwen3_path / "tokenizer.json"))
+    text = _agent_turns(2, 950)[-1]
+    with SidecarClient(proc.address) as c:
+        while c.tokenize("qwen3", text="warm up").served_by != "local":
+            pass
+        local = c._local.get("qwen3") if c._local is not None else None
+        assert local is not None
+        assert c.flush(5)
+        writer = local.writer
+        assert c.tokenize("qwen3", text=text, add_special_tokens=False).token_ids == \
+            ref.encode(text, add_special_tokens=False).ids
+        assert local.settler.pending  # settled by the next request, or by the thread at a pause
+        writer.note_request()  # the next request begins, and its process waits for a core
+        stall = time.monotonic() + 0.3  # three times the longest the thread sleeps (WRITER_TICK_S)
+        while time.monotonic() < stall:
+            assert local.settler.pending
+            time.sleep(0.005)
+        writer.note_done()
+        deadline = time.monotonic() + 5
+        while local.settler.pending and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert not local.settler.pending  # the pause after it came: settled by the thread
+        assert c.flush(5)
+
+
 _READER = textwrap.dedent("""
     import json, sys, time
     from sidecar_client import SidecarClient
