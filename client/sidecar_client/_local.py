@@ -308,8 +308,12 @@ class WriteBehind:
         A request still being served is no pause however long ago it began: with more busy
         processes than cores a process waits for a core for tens of ms in the middle of its
         requests, and judged by the start alone the thread took every such wait for a pause,
-        woke, took the GIL from the request (two context switches, and cold caches after),
-        and looked again every HEADS_QUIET_S after (the backoff starts over at a pause)."""
+        woke, took the GIL from the request, and looked again every HEADS_QUIET_S after (the
+        backoff starts over at a pause). bench/concurrency.py at P = 16 did not move
+        measurably with it (client CPU per request 568 / 547 against 580 / 555 µs, 0.33-0.35
+        voluntary context switches per request against 0.30-0.31): most of those are the
+        thread's ticks (WRITER_TICK_S), ~0.24 per request at P = 16, where a process serves
+        ~180 requests a second."""
         begun, ended = self._request_at, self._request_end
         if begun > ended:
             return max(offered_left, HEADS_QUIET_S)

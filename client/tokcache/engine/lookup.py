@@ -660,7 +660,7 @@ class Lookup(Generic[Ids, Out]):
                 # where ``new`` joins the memo: ~40 µs of a cold request for a 1-3 KB turn.
                 return _Tail(None, None, 0, head, new, memo, lo, hi, cut, canonical=True, raw=head is not None)
         ids = self._own(self.model.encoder.encode(tail_text if tail_text is not None
-                                                     else scan.data[start:].decode("utf-8")))
+                                                  else scan.data[start:].decode("utf-8")))
         return _Tail(ids, None, 0, cut=start, canonical=True)
 
     def _remember(self, scan: Scan, keyed: list[int], tail: _Tail[Out], start: int) -> None:
