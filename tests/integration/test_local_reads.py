@@ -27,7 +27,7 @@ import pytest
 import tokenizers
 
 from sidecar_client import AsyncSidecarClient, SidecarClient
-from sidecar_client._local import MIN_FIRST_WRITE_BYTES, MIN_WRITE_BYTES
+from sidecar_client._local import MIN_FIRST_WRITE_BYTES, MIN_WRITE_BYTES, LocalModel
 from tests.integration.sidecar_proc import SidecarProcess
 
 TURN = "<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n"
@@ -546,6 +546,15 @@ def test_an_open_breaker_keeps_in_process_reads_and_stops_their_rpc_fallbacks(
     asyncio.run(main())
 
 
+def _opened(c: SidecarClient) -> LocalModel:
+    """The model ``c`` reads "qwen3" with in this process, once it does (warm-up calls until then)."""
+    while c.tokenize("qwen3", text="warm up").served_by != "local":
+        pass
+    local = c._local.get("qwen3") if c._local is not None else None
+    assert local is not None
+    return local
+
+
 def _agent_turns(turns: int, size: int) -> list[str]:
     """A conversation whose turns each append ~``size`` bytes (an answer and a tool result)."""
     text, out = "<|im_start|>system\nYou are an agent.<|im_end|>\n", []
@@ -684,11 +693,8 @@ def test_heads_built_after_the_reply_serve_the_next_turn_and_are_the_callers(
     for between in (True, False):
         texts = _agent_turns(8, 700 + between)  # two conversations
         with SidecarClient(proc.address) as c:
-            while c.tokenize("qwen3", text="warm up").served_by != "local":
-                pass
+            local = _opened(c)
             assert c.flush(5)
-            local = c._local.get("qwen3") if c._local is not None else None
-            assert local is not None
             heads = local.lookup.heads
             used = heads.used
             built_by.clear()
@@ -716,10 +722,7 @@ def test_the_background_thread_builds_the_head_between_turns(
     ref = tokenizers.Tokenizer.from_file(str(qwen3_path / "tokenizer.json"))
     texts = _agent_turns(4, 800)
     with SidecarClient(proc.address) as c:
-        while c.tokenize("qwen3", text="warm up").served_by != "local":
-            pass
-        local = c._local.get("qwen3") if c._local is not None else None
-        assert local is not None
+        local = _opened(c)
         heads = local.lookup.heads
         used = heads.used
         for text in texts:
@@ -764,10 +767,7 @@ def test_the_background_thread_looks_rarely_while_requests_keep_coming(
     texts = [t for seed in range(6) for t in _agent_turns(12, 600 + seed)]
     want = {t: ref.encode(t, add_special_tokens=False).ids for t in texts}
     with SidecarClient(proc.address) as c:
-        while c.tokenize("qwen3", text="warm up").served_by != "local":
-            pass
-        local = c._local.get("qwen3") if c._local is not None else None
-        assert local is not None
+        local = _opened(c)
         assert c.flush(5)
         counting = CountingCondition(local.writer._work)
         local.writer._work = counting  # type: ignore[assignment]
@@ -786,7 +786,6 @@ def test_the_background_thread_looks_rarely_while_requests_keep_coming(
         assert not local.settler.pending and not local.lookup.heads.pending
 
 
-
 def test_a_request_still_being_served_is_no_pause(sidecar: tuple[SidecarProcess, int], qwen3_path: Path) -> None:
     """A process that waits for a core in the middle of a request (16 busy processes on 2 cores
     wait tens of ms at a time) has not paused: the write-behind thread leaves the bookkeeping of
@@ -798,10 +797,7 @@ def test_a_request_still_being_served_is_no_pause(sidecar: tuple[SidecarProcess,
     ref = tokenizers.Tokenizer.from_file(str(qwen3_path / "tokenizer.json"))
     text = _agent_turns(2, 950)[-1]
     with SidecarClient(proc.address) as c:
-        while c.tokenize("qwen3", text="warm up").served_by != "local":
-            pass
-        local = c._local.get("qwen3") if c._local is not None else None
-        assert local is not None
+        local = _opened(c)
         assert c.flush(5)
         writer = local.writer
         assert c.tokenize("qwen3", text=text, add_special_tokens=False).token_ids == \

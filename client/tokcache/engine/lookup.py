@@ -387,7 +387,7 @@ class Lookup(Generic[Ids, Out]):
         # encoder already shares one int object per id (Encoder.shared_ints). Interning
         # fastokens' output replaced each int by itself: ~4% of a client's CPU per request
         # (py-spy, one process replaying 57 KB chats).
-        self._own = _same if getattr(model.encoder, "shared_ints", False) else self.fmt.own
+        self._own = _same if model.encoder.shared_ints else self.fmt.own
         self.limits = limits or Limits()
         # (store, the native fast path's context for it): see _extend.
         self._fast_ctx: tuple[CacheView, tuple[Any, ...]] | None = None
