@@ -327,6 +327,14 @@ def test_native_cut_tokens_equals_the_python_walk(engine: ModelEngine, model: Re
             want = _cut_tokens(scan, keyed, broken, id_of, 0, 0, {0: 0})
             monkeypatch.setattr(lookup_mod, "_native", native)
             assert _cut_tokens(scan, keyed, broken, id_of, 0, 0, {0: 0}) == want
+        # Ints the native walk reads in place (one digit) mixed with ones it converts (big,
+        # negative, an int subclass): the same answer as list.index's comparisons.
+        odd: list[int] = [[(1 << 40) + v, -v - 1, True if v == 1 else v][i % 3] if i % 4 == 1 else v
+                          for i, v in enumerate(ids)]
+        monkeypatch.setattr(lookup_mod, "_native", None)
+        want = _cut_tokens(scan, keyed, odd, id_of, 0, 0, {0: 0})
+        monkeypatch.setattr(lookup_mod, "_native", native)
+        assert _cut_tokens(scan, keyed, odd, id_of, 0, 0, {0: 0}) == want
 
 
 def test_a_stale_build_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
