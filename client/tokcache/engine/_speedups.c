@@ -15,9 +15,10 @@
 #include <longintrepr.h> /* 3.10: ob_digit (Python.h includes it from 3.11 on) */
 #endif
 
-/* The value of an exact int below 2**30 (one digit), read in place: 1 and ``*v``, else 0 (the
- * caller converts it the general way). A token id list is walked item by item, and
- * PyLong_AsLong's checks and call were most of a 4000-id walk (~4 ns an id). */
+/* The value of an exact int of one digit, read in place: 1 and ``*v``, else 0 (the caller
+ * converts it the general way). One digit: 0 <= v < 2**30 on 3.10/3.11, |v| < 2**30 from 3.12
+ * (compact ints); callers check the range they need. A token id list is walked item by item,
+ * and PyLong_AsLong's checks and call were most of a 4000-id walk (~4 ns an id). */
 static inline int small_int(PyObject *o, long *v) {
     if (!PyLong_CheckExact(o)) return 0;
 #if PY_VERSION_HEX >= 0x030C0000
