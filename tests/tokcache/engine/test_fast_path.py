@@ -329,8 +329,8 @@ def test_native_cut_tokens_equals_the_python_walk(engine: ModelEngine, model: Re
             assert _cut_tokens(scan, keyed, broken, id_of, 0, 0, {0: 0}) == want
         # Ints the native walk reads in place (one digit) mixed with ones it converts (big,
         # negative, an int subclass): the same answer as list.index's comparisons.
-        odd: list[int] = [[(1 << 40) + v, -v - 1, True if v == 1 else v][i % 3] if i % 4 == 1 else v
-                          for i, v in enumerate(ids)]
+        unread = (lambda v: (1 << 40) + v, lambda v: -v - 1, lambda v: True if v == 1 else v)
+        odd = [unread[i % 3](v) if i % 4 == 1 else v for i, v in enumerate(ids)]
         monkeypatch.setattr(lookup_mod, "_native", None)
         want = _cut_tokens(scan, keyed, odd, id_of, 0, 0, {0: 0})
         monkeypatch.setattr(lookup_mod, "_native", native)
