@@ -298,7 +298,7 @@ static PyTypeObject MatcherType = {
 /* both on the same histories and compare.                                            */
 
 static PyObject *s_text, *s_data, *s_spans, *s_stable, *s_tail_from, *s_kept_end, *s_hashers, *s_copy, *s_update,
-    *s_digest, *i_16, *b_l0_suffix, *b_ar_suffix;
+    *s_digest, *s_move_to_end, *i_16, *b_l0_suffix, *b_ar_suffix;
 
 #include "_index.h"
 
@@ -373,9 +373,9 @@ PyDoc_STRVAR(extend_doc,
 "extend(text, recent, ns, ctx, tail, now, ar) -> tuple | None\n\n"
 "Lookup._tokenize's scan, keys and hit for ``text`` when it extends one of ``recent`` (the\n"
 "scan memo's latest Scans, newest first) that holds a KeyState for ``ns``, no L0 entry and\n"
-"no gallop applies, and the winning keyed cut's chain is held (``held_key``). ``ctx`` is\n"
-"(matcher, maxlen, grid, tail_probes, index_buffer, index_off, n_buckets, held_key,\n"
-"max_text_bytes). Returns (base, data, spans, tail, tail_from, kept_end, stable, keyed, keys,\n"
+"no gallop applies, and the winning keyed cut's chain is held (ChainMemo.held_key's answer, read\n"
+"from ChainMemo.native_view's dicts). ``ctx`` is (matcher, maxlen, grid, tail_probes, index_buffer,\n"
+"index_off, n_buckets, memo_by_lsn, memo_entries, max_text_bytes). Returns (base, data, spans, tail, tail_from, kept_end, stable, keyed, keys,\n"
 "state_hasher, state_cut, exact_key, pos, key, container, tokens, tail_chars, ar_keys, ar_at), or None:\n"
 "serve it in Python. With ``ar`` (recorded outputs may apply) the AR keys of the boundaries past\n"
 "the hit are made (``ar_keys``: by cut index, None elsewhere) and ``ar_at`` is the highest of them\n"
@@ -392,15 +392,16 @@ static PyObject *py_extend(PyObject *self, PyObject *args) {
     Matcher *matcher;
     Py_ssize_t maxlen, grid, tail_probes, index_off, max_text_bytes;
     unsigned long long n_buckets;
-    PyObject *index_obj, *held_key;
-    if (!PyArg_ParseTuple(ctx, "O!nnnOnKOn", &MatcherType, &matcher, &maxlen, &grid, &tail_probes, &index_obj,
-                          &index_off, &n_buckets, &held_key, &max_text_bytes))
+    PyObject *index_obj, *memo_by_lsn, *memo_entries;
+    if (!PyArg_ParseTuple(ctx, "O!nnnOnKO!O!n", &MatcherType, &matcher, &maxlen, &grid, &tail_probes, &index_obj,
+                          &index_off, &n_buckets, &PyDict_Type, &memo_by_lsn, &PyDict_Type, &memo_entries,
+                          &max_text_bytes))
         return NULL;
 
     PyObject *result = NULL, *snapshot = NULL, *base = NULL, *old = NULL, *hashers = NULL, *sub = NULL,
              *added = NULL, *base_data = NULL, *data = NULL, *base_spans = NULL, *spans = NULL, *tail_list = NULL,
-             *keyed = NULL, *keys = NULL, *h = NULL, *state = NULL, *exact = NULL, *held = NULL, *st = NULL,
-             *ar_keys = NULL, *ah = NULL;
+             *keyed = NULL, *keys = NULL, *h = NULL, *state = NULL, *exact = NULL, *ident = NULL, *entry = NULL,
+             *st = NULL, *ar_keys = NULL, *ah = NULL;
     Py_buffer view;
     int have_view = 0;
 
@@ -582,22 +583,48 @@ static PyObject *py_extend(PyObject *self, PyObject *args) {
     PyBuffer_Release(&view);
     have_view = 0;
 
-    /* 8. The winner's chain, from what this process holds (else the Python path reads it). */
+    /* 8. The winner's chain, from what this process holds (else the Python path reads it):
+     * ChainMemo.held_key's answer, read from its dicts in place (ChainMemo.native_view). No
+     * Python code runs between these reads, and a state the memo's writer leaves between two
+     * of its steps can only lack the ident or the entry: a miss, served by the Python path. */
     PyObject *key = PyList_GET_ITEM(keys, pos); /* borrowed */
-    PyObject *lsn_obj = PyLong_FromUnsignedLongLong(lsn);
-    if (!lsn_obj) goto fail;
-    PyObject *hargs[2] = {lsn_obj, key};
-    held = PyObject_Vectorcall(held_key, hargs, 2, NULL);
-    Py_DECREF(lsn_obj);
-    if (!held) goto fail;
-    if (held == Py_None || !PyTuple_Check(held) || PyTuple_GET_SIZE(held) != 3) goto none;
+    Py_ssize_t tokens;
     {
-        unsigned long long floor = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(held, 2));
-        if (PyErr_Occurred()) {
-            PyErr_Clear(); /* a negative floor: not known live */
+        PyObject *lsn_obj = PyLong_FromUnsignedLongLong(lsn);
+        if (!lsn_obj) goto fail;
+        ident = PyDict_GetItemWithError(memo_by_lsn, lsn_obj);
+        Py_DECREF(lsn_obj);
+        if (!ident) {
+            if (PyErr_Occurred()) goto fail;
             goto none;
         }
-        if (floor < tail) goto none;
+        Py_INCREF(ident);
+        entry = PyDict_GetItemWithError(memo_entries, ident);
+        if (!entry) {
+            if (PyErr_Occurred()) goto fail;
+            goto none;
+        }
+        Py_INCREF(entry); /* (container, base, n, floor, {key: ids used}) */
+        if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 5 || !PyDict_Check(PyTuple_GET_ITEM(entry, 4)))
+            goto none;
+        PyObject *used_obj = PyDict_GetItemWithError(PyTuple_GET_ITEM(entry, 4), key);
+        if (!used_obj) {
+            if (PyErr_Occurred()) goto fail;
+            goto none;
+        }
+        Py_ssize_t e_base, e_n, used;
+        long long floor;
+        if (as_ssize(PyTuple_GET_ITEM(entry, 1), &e_base) < 0 || as_ssize(PyTuple_GET_ITEM(entry, 2), &e_n) < 0 ||
+            as_ssize(used_obj, &used) < 0)
+            goto fail;
+        floor = PyLong_AsLongLong(PyTuple_GET_ITEM(entry, 3));
+        if (floor == -1 && PyErr_Occurred()) goto fail;
+        if (used > e_n || floor < 0 || (unsigned long long)floor < tail) goto none; /* floor < 0: not known live */
+        tokens = e_base + used;
+        /* The LRU's use mark, as held_key sets it (OrderedDict.move_to_end: C, no Python code). */
+        PyObject *moved = PyObject_CallMethodOneArg(memo_entries, s_move_to_end, ident);
+        if (!moved) goto fail;
+        Py_DECREF(moved);
     }
     /* 9. The uncached tail's length in characters (UTF-8 lead bytes), so the caller need not
      * decode it to count them: the tail encoder reuses this process's previous encoding. */
@@ -667,8 +694,8 @@ static PyObject *py_extend(PyObject *self, PyObject *args) {
     PyObject_GC_UnTrack(spans);
     PyObject_GC_UnTrack(keyed);
     PyObject_GC_UnTrack(keys);
-    result = Py_BuildValue("(OOOOnnnOOOnOnOOOnOn)", base, data, spans, tail_list, tail_from, kept_end, stable, keyed,
-                           keys, state, last, exact, pos, key, PyTuple_GET_ITEM(held, 0), PyTuple_GET_ITEM(held, 1),
+    result = Py_BuildValue("(OOOOnnnOOOnOnOOnnOn)", base, data, spans, tail_list, tail_from, kept_end, stable, keyed,
+                           keys, state, last, exact, pos, key, PyTuple_GET_ITEM(entry, 0), tokens,
                            tail_chars, ar_keys ? ar_keys : Py_None, ar_at);
     goto done;
 none:
@@ -694,7 +721,8 @@ done:
     Py_XDECREF(h);
     Py_XDECREF(state);
     Py_XDECREF(exact);
-    Py_XDECREF(held);
+    Py_XDECREF(ident);
+    Py_XDECREF(entry);
     Py_XDECREF(st);
     Py_XDECREF(ar_keys);
     Py_XDECREF(ah);
@@ -1036,6 +1064,7 @@ PyMODINIT_FUNC PyInit__speedups(void) {
     INTERN(s_copy, "copy");
     INTERN(s_update, "update");
     INTERN(s_digest, "digest");
+    INTERN(s_move_to_end, "move_to_end");
 #undef INTERN
     if (!(i_16 = PyLong_FromLong(16)) || !(b_l0_suffix = PyBytes_FromStringAndSize("\xffL0", 3)) ||
         !(b_ar_suffix = PyBytes_FromStringAndSize("\xff" "AR", 3)))
@@ -1043,7 +1072,7 @@ PyMODINIT_FUNC PyInit__speedups(void) {
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
     Py_INCREF(&MatcherType);
-    if (PyModule_AddIntConstant(m, "API", 9) < 0 || PyModule_AddObject(m, "Matcher", (PyObject *)&MatcherType) < 0) {
+    if (PyModule_AddIntConstant(m, "API", 10) < 0 || PyModule_AddObject(m, "Matcher", (PyObject *)&MatcherType) < 0) {
         Py_DECREF(&MatcherType);
         Py_DECREF(m);
         return NULL;

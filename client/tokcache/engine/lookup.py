@@ -600,7 +600,7 @@ class Lookup(Generic[Ids, Out]):
                 scanner = self.model.scanner
                 index, index_off, n_buckets = region
                 args = (scanner.matcher, scanner.maxlen, self.model.key_grid, TAIL_PROBES, index, index_off,
-                        n_buckets, self.memo.held_key, self.limits.max_text_bytes)
+                        n_buckets, *self.memo.native_view(), self.limits.max_text_bytes)
                 ctx = self._fast_ctx = (store, args)
             ns = (salt, tag)
             got = _native.extend(text, self.model.scanner.recent, ns, ctx[1], store.tail(), time.time(), ar)

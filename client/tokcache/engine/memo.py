@@ -70,6 +70,16 @@ class ChainMemo(Generic[Ids]):
             self._entries.move_to_end(ident)
             return container, base + used, floor
 
+    def native_view(self) -> tuple[dict[int, tuple[int, bytes]], dict[tuple[int, bytes], Any]]:
+        """The two dicts :meth:`held_key` reads (LSN -> identity, identity -> entry), for the
+        native fast path to read in place (``_speedups.extend``: the same answer and use mark,
+        without a Python call: ~17 µs of a request whose caches are cold). Read only, under the
+        GIL, without the lock: between two steps of :meth:`put` an identity or an entry may be
+        missing (a miss: the Python path serves), never wrong, since an entry, once filed, is
+        never changed (a new tuple and a new key dict replace it) and an identity names one
+        record for ever. The same two objects for the memo's life."""
+        return self._by_lsn, self._entries
+
     def put(self, ref: RecordRef, ids: Ids, keys: Mapping[bytes, int] | None = None) -> None:
         """Remember that ``ids[:ref.base + ref.n]`` is the chain through ``ref``, and that
         each of ``keys`` uses that many of the record's own ids.

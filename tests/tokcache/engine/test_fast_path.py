@@ -210,6 +210,35 @@ def test_native_and_python_paths_agree_along_long_chats(engine: ModelEngine, mod
         assert ref.heads.used == 0
 
 
+def test_the_native_path_marks_the_chain_it_serves_as_used(engine: ModelEngine, own_model: ReadModel,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The native path reads the memo's entry in place (ChainMemo.native_view) and marks it used,
+    as ``held_key`` does: the memo drops its least recently used chain first, never the one a
+    conversation is reading."""
+    counting = _Counting(lookup_mod._native)
+    monkeypatch.setattr(lookup_mod, "_native", counting)
+    with _segment(engine) as (store, reader):
+        memo: ChainMemo[Chunks] = ChainMemo(LISTS)
+        lk: Lookup[Chunks, list[int]] = Lookup(own_model, reader, memo)
+        rng = random.Random(f"lru-{engine.name}")
+        chats = [[{"role": "system", "content": _para(rng, 200)}, {"role": "user", "content": _para(rng, 60)}]
+                 for _ in range(2)]
+        for msgs in chats:  # two first turns, stored: the second one's record is the newest entry
+            got = lk.tokenize(engine.render(msgs, add_generation_prompt=True), add_special_tokens=False, mode="exact")
+            assert got.write is not None and commit(store, memo, got.write) is not None
+        by_lsn, entries = memo.native_view()
+        newest = next(reversed(entries))
+        chats[0] += [{"role": "assistant", "content": _para(rng, 30)}, {"role": "user", "content": _para(rng, 40)}]
+        text = engine.render(chats[0], add_generation_prompt=True)
+        got = lk.tokenize(text, add_special_tokens=False, mode="exact")
+        assert counting.served == 1, counting.calls  # the first chat's next turn, served natively
+        assert got.ids == engine.reference.encode(text)
+        assert got.write is not None and got.write.parent is not None
+        slot = reader.slot(got.write.parent)
+        assert slot is not None
+        assert next(reversed(entries)) == by_lsn[slot[0]] != newest
+
+
 _CONTAINERS = (dict, list, tuple, set, frozenset, OrderedDict, deque)
 
 
