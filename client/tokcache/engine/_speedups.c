@@ -374,9 +374,10 @@ PyDoc_STRVAR(extend_doc,
 "Lookup._tokenize's scan, keys and hit for ``text`` when it extends one of ``recent`` (the\n"
 "scan memo's latest Scans, newest first) that holds a KeyState for ``ns``, no L0 entry and\n"
 "no gallop applies, and the winning keyed cut's chain is held (ChainMemo.held_key's answer, read\n"
-"from ChainMemo.native_view's dicts). ``ctx`` is (matcher, maxlen, grid, tail_probes, index_buffer,\n"
-"index_off, n_buckets, memo_by_lsn, memo_entries, max_text_bytes). Returns (base, data, spans, tail, tail_from, kept_end, stable, keyed, keys,\n"
-"state_hasher, state_cut, exact_key, pos, key, container, tokens, tail_chars, ar_keys, ar_at), or None:\n"
+"from ChainMemo.native_view's two dicts). ``ctx`` is (matcher, maxlen, grid, tail_probes,\n"
+"index_buffer, index_off, n_buckets, memo_by_lsn, memo_entries, max_text_bytes). Returns (base,\n"
+"data, spans, tail, tail_from, kept_end, stable, keyed, keys, state_hasher, state_cut, exact_key,\n"
+"pos, key, container, tokens, tail_chars, ar_keys, ar_at), or None:\n"
 "serve it in Python. With ``ar`` (recorded outputs may apply) the AR keys of the boundaries past\n"
 "the hit are made (``ar_keys``: by cut index, None elsewhere) and ``ar_at`` is the highest of them\n"
 "that is live (-1: none), for the caller to read; without, ``ar_keys`` is None and ``ar_at`` -1.");
