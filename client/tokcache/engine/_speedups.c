@@ -849,18 +849,21 @@ static PyObject *py_untrack(PyObject *self, PyObject *ids) {
 /* join: a result list made once, at its final size.                                   */
 
 PyDoc_STRVAR(join_doc,
-"join(parts, n, prefix, suffix) -> list\n\n"
+"join(parts, n, prefix, suffix, room=0) -> list\n\n"
 "ids.ListFormat.result (the reference): ``prefix``, then the first ``n`` ids of ``parts`` (a\n"
 "tuple of (list, length) pairs: the first ``length`` items of each list, in order), then\n"
 "``suffix``, as one new list allocated once at its final size. Growing a list part by part\n"
 "reallocates it as it grows: a few reallocations of ~120 KB per 57 KB prompt, each a\n"
 "malloc that also consolidates the allocator's free small chunks (cold when many processes\n"
-"share the cores). ValueError when a part's length exceeds its list's.");
+"share the cores). ``room`` (at most the list's length): the list is allocated with room for\n"
+"that many more items, so appending up to ``room`` items later (a head's taker:\n"
+"ids.ListFormat.head) writes in place instead of reallocating and copying it; invisible\n"
+"otherwise. ValueError when a part's length exceeds its list's, or for a bad ``room``.");
 
 static PyObject *py_join(PyObject *self, PyObject *args) {
     PyObject *parts, *prefix_in, *suffix_in;
-    Py_ssize_t n;
-    if (!PyArg_ParseTuple(args, "O!nOO", &PyTuple_Type, &parts, &n, &prefix_in, &suffix_in)) return NULL;
+    Py_ssize_t n, room = 0;
+    if (!PyArg_ParseTuple(args, "O!nOO|n", &PyTuple_Type, &parts, &n, &prefix_in, &suffix_in, &room)) return NULL;
     PyObject *prefix = PySequence_Fast(prefix_in, "join: prefix must be a sequence");
     if (prefix == NULL) return NULL;
     PyObject *suffix = PySequence_Fast(suffix_in, "join: suffix must be a sequence");
@@ -887,8 +890,16 @@ static PyObject *py_join(PyObject *self, PyObject *args) {
         left -= take;
     }
     Py_ssize_t npre = PySequence_Fast_GET_SIZE(prefix), nsuf = PySequence_Fast_GET_SIZE(suffix);
-    out = PyList_New(npre + total + nsuf);
+    Py_ssize_t size = npre + total + nsuf;
+    /* CPython's list_resize keeps an allocation while the new size is at least half of it:
+       room past the size would be given back by the first append (a shrink). */
+    if (room < 0 || room > size) {
+        PyErr_SetString(PyExc_ValueError, "join: room must be in [0, the result's length]");
+        goto done;
+    }
+    out = PyList_New(size + room); /* NULL items past size: the list owns only its first size */
     if (out == NULL) goto done;
+    Py_SET_SIZE(out, size);
     PyObject **dst = ((PyListObject *)out)->ob_item, **src = PySequence_Fast_ITEMS(prefix);
     for (Py_ssize_t i = 0; i < npre; i++) *dst++ = Py_NewRef(src[i]);
     left = total;
@@ -1073,7 +1084,7 @@ PyMODINIT_FUNC PyInit__speedups(void) {
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
     Py_INCREF(&MatcherType);
-    if (PyModule_AddIntConstant(m, "API", 10) < 0 || PyModule_AddObject(m, "Matcher", (PyObject *)&MatcherType) < 0) {
+    if (PyModule_AddIntConstant(m, "API", 11) < 0 || PyModule_AddObject(m, "Matcher", (PyObject *)&MatcherType) < 0) {
         Py_DECREF(&MatcherType);
         Py_DECREF(m);
         return NULL;

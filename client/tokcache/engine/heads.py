@@ -154,7 +154,7 @@ class Heads(Generic[Ids, Out]):
         take this head (copying it would be wasted work, which is all a busy process does)."""
         if ready.tokens > self._budget or ready.scan.superseded:
             return
-        head = self._fmt.result(ready.full, ready.tokens)
+        head = self._fmt.head(ready.full, ready.tokens)
         with self._lock:
             if ready.scan.superseded:
                 return
@@ -193,7 +193,7 @@ class Heads(Generic[Ids, Out]):
         whose prefix AR hit is ``key`` (off the request path: after the record was stored)."""
         if not self.enabled or tokens > self._budget:
             return
-        head = self._fmt.result(full, tokens)
+        head = self._fmt.head(full, tokens)
         with self._lock:
             keyed = self._keyed
             old = keyed.pop(key, None)

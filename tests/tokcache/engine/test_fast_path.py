@@ -443,3 +443,34 @@ def test_native_join_equals_the_python_result(monkeypatch: pytest.MonkeyPatch) -
         native.join(((1, 2),), 3, (), ())
     with pytest.raises(TypeError):
         native.join((([1, 2], 2),), 2, None, ())
+
+
+def test_a_head_grows_in_place_by_up_to_its_room() -> None:
+    """ListFormat.head is result's list with room for HEAD_ROOM more ids (at most its
+    length): the turn that takes it appends that many without the list being reallocated
+    (its allocation, sys.getsizeof, stays the same), and the ids are the same as result's.
+    A room past the list's length would be given back by CPython's first append: refused."""
+    import sys
+
+    from tokcache.engine import ids as ids_mod
+
+    native = ids_mod._native
+    if native is None:
+        pytest.skip("the native extension is not built")
+    rng = random.Random("head")
+    for n in (0, 1, 7, 5000, 3 * ids_mod.HEAD_ROOM):
+        ref = [rng.randrange(1 << 17) for _ in range(n + 5)]
+        chunks = Chunks(((ref[:n // 2], n // 2), (ref[n // 2:], n + 5 - n // 2)), n + 5)
+        head = LISTS.head(chunks, n)
+        assert head == LISTS.result(chunks, n) == ref[:n] and type(head) is list
+        room = min(n, ids_mod.HEAD_ROOM)
+        size = sys.getsizeof(head)
+        assert size >= sys.getsizeof([]) + 8 * (n + room)
+        more = list(range(room))
+        head += more  # what ListFormat.finish does for the taker
+        assert head == ref[:n] + more
+        assert sys.getsizeof(head) == size, n  # in place: no reallocation
+    with pytest.raises(ValueError):
+        native.join((([1, 2], 2),), 2, (), (), 3)  # room past the length
+    with pytest.raises(ValueError):
+        native.join((([1, 2], 2),), 2, (), (), -1)
