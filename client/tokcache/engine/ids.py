@@ -279,7 +279,8 @@ class ListFormat(IdFormat["Chunks", list[int]]):
         room is 8 bytes an id, 32 KiB a head at most). The room is CPython's list
         allocation, which only the extension can ask for: without it, :meth:`result`."""
         if _native is not None:
-            return _native.join(ids.parts, n, (), (), min(n, HEAD_ROOM))  # type: ignore[no-any-return]
+            room = max(0, min(n, ids.n, HEAD_ROOM))  # the list's length at most (else join refuses it)
+            return _native.join(ids.parts, n, (), (), room)  # type: ignore[no-any-return]
         return self.result(ids, n)
 
     def finish(self, head: list[int], ids: list[int], skip: int, suffix: tuple[int, ...] = ()) -> list[int]:

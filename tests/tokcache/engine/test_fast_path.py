@@ -470,6 +470,8 @@ def test_a_head_grows_in_place_by_up_to_its_room() -> None:
         head += more  # what ListFormat.finish does for the taker
         assert head == ref[:n] + more
         assert sys.getsizeof(head) == size, n  # in place: no reallocation
+    short = Chunks((([1, 2], 2),), 2)
+    assert LISTS.head(short, 5) == [1, 2] and LISTS.head(short, -1) == []  # n past the ids, or below 0
     with pytest.raises(ValueError):
         native.join((([1, 2], 2),), 2, (), (), 3)  # room past the length
     with pytest.raises(ValueError):
