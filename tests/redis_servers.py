@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-__all__ = ["RedisCluster", "RedisServer", "cluster", "free_port", "need_redis", "server"]
+__all__ = ["PortTaken", "RedisCluster", "RedisServer", "cluster", "free_port", "need_redis", "server"]
 
 SKIP_REASON = ("redis-server is not installed (Debian package redis-server: `make test` installs it with "
                "apt-get; or apt-get install -y redis-server)")
@@ -52,14 +52,31 @@ def free_port(cluster_bus: bool = False) -> int:
     raise RuntimeError("no free port pair")
 
 
-class RedisServer:
-    """One ``redis-server`` on 127.0.0.1:``port``, no persistence, its files in ``workdir``."""
+# Starts of a node whose port (or, in a cluster, port + 10000) was taken between free_port and
+# redis-server's bind: an outgoing connection's ephemeral port can land on it meanwhile
+# (`make test`, Python 3.10: "bind: Address already in use" for a cluster bus port).
+PORT_TRIES = 5
 
-    def __init__(self, workdir: Path, port: int | None = None, *extra: str) -> None:
+
+class PortTaken(RuntimeError):
+    """redis-server could not bind its port (or its cluster bus port)."""
+
+
+class RedisServer:
+    """One ``redis-server`` on 127.0.0.1:``port``, no persistence, its files in ``workdir``.
+
+    Without ``port`` it picks a free one (``bus``: with port + 10000 free too, for a cluster
+    node) and picks another when the first start finds it taken; a given port, and a node that
+    started once (it comes back on its port, which its cluster knows), are kept."""
+
+    def __init__(self, workdir: Path, port: int | None = None, *extra: str, bus: bool = False) -> None:
         self.srv, self.cli = need_redis()
         self.workdir = workdir
         workdir.mkdir(parents=True, exist_ok=True)
-        self.port = port or free_port()
+        self._bus = bus
+        self._pick = port is None
+        self._started = False
+        self.port = port or free_port(bus)
         self.extra = extra
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -68,6 +85,19 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self, timeout: float = 20.0) -> RedisServer:
+        """Start it and wait for PING (RuntimeError when it exits or does not answer in time)."""
+        for attempt in range(PORT_TRIES):
+            try:
+                self._start(timeout)
+                self._started = True
+                return self
+            except PortTaken:
+                if not self._pick or self._started or attempt == PORT_TRIES - 1:
+                    raise
+                self.port = free_port(self._bus)
+        raise AssertionError("unreachable")
+
+    def _start(self, timeout: float) -> None:
         log = (self.workdir / f"redis-{self.port}.log").open("ab")
         self.proc = subprocess.Popen(
             [self.srv, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
@@ -77,9 +107,11 @@ class RedisServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited {self.proc.returncode}: {self.log()}")
+                text = self.log()
+                error = PortTaken if "Address already in use" in text else RuntimeError
+                raise error(f"redis-server exited {self.proc.returncode}: {text}")
             if self.cmd("PING").strip() == "PONG":
-                return self
+                return
             time.sleep(0.05)
         self.kill()
         raise RuntimeError(f"redis-server on {self.port} not up in {timeout}s: {self.log()}")
@@ -115,8 +147,8 @@ class RedisCluster:
 
     def __init__(self, workdir: Path, nodes: int = 3) -> None:
         self.workdir = workdir
-        self.nodes = [RedisServer(workdir / f"n{i}", free_port(cluster_bus=True), "--cluster-enabled", "yes",
-                                  "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "1000")
+        self.nodes = [RedisServer(workdir / f"n{i}", None, "--cluster-enabled", "yes",
+                                  "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "1000", bus=True)
                       for i in range(nodes)]
 
     @property
