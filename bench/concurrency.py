@@ -175,7 +175,10 @@ def _child(name: str, index: int, args: dict[str, Any], barrier: Any, out: Any) 
                  # The loop's voluntary context switches (every thread of the process): each is a
                  # wait (a lock, the GIL handed to another thread) and, with more processes than
                  # cores, a cold cache when the process runs again.
-                 "vol_csw": ru1.ru_nvcsw - ru0.ru_nvcsw})
+                 "vol_csw": ru1.ru_nvcsw - ru0.ru_nvcsw,
+                 # Minor page faults (a page of the segment, or of the heap, first touched by this
+                 # process) and the kernel's share of the CPU: what a shared mapping costs.
+                 "minflt": ru1.ru_minflt - ru0.ru_minflt, "sys_s": ru1.ru_stime - ru0.ru_stime})
     except BaseException as exc:  # report, never hang the parent
         try:
             barrier.abort()
@@ -264,6 +267,8 @@ def run_one(name: str, procs: int, args: argparse.Namespace, tok_dir: Path) -> d
             "server_cpu_us_per_req": server_cpu / len(lat) * 1e6,
             "p50_us": percentile(lat, 50), "p99_us": percentile(lat, 99),
             "vol_csw_per_req": sum(r["vol_csw"] for r in results) / len(lat),
+            "minflt_per_req": sum(r["minflt"] for r in results) / len(lat),
+            "client_sys_us_per_req": sum(r["sys_s"] for r in results) / len(lat) * 1e6,
             "mismatches": sum(r["mismatches"] for r in results), "writes": writes,
             "max_us": max(lat), "slowest": sorted(((x, r["index"], i) for r in results
                                                    for i, x in enumerate(r["lat_us"])), reverse=True)[:5],
@@ -412,10 +417,13 @@ def print_report(res: dict[str, Any]) -> None:
                 c, v = r["client_cpu_us_per_req"], r["server_cpu_us_per_req"]
                 cells.append(f"{c + v:>12.0f} = {c:>6.0f} + {v:>6.0f}")
         print(f"{procs:>3}  " + "".join(cells))
-    print("\nVoluntary context switches per request, client processes (waits; each a cold cache when P > cores)")
+    print("\nPer request, client processes: voluntary context switches (waits; each a cold cache when P > "
+          "cores), minor page faults, kernel CPU (µs, part of the client CPU above)")
     print(f"{'P':>3}  " + "".join(f"{n:>30}" for n in names))
     for procs, runs in res["runs"].items():
-        cells = [f"{r['vol_csw_per_req']:>30.2f}" if r and r.get("status") == "ok" and "vol_csw_per_req" in r
+        cells = [f"{r['vol_csw_per_req']:>9.2f} csw {r.get('minflt_per_req', 0):>6.1f} flt "
+                 f"{r.get('client_sys_us_per_req', 0):>4.0f} sys"
+                 if r and r.get("status") == "ok" and "vol_csw_per_req" in r
                  else f"{'-':>30}" for r in (runs.get(n) for n in names)]
         print(f"{procs:>3}  " + "".join(cells))
     for procs, rs in res["ratios"].items():
