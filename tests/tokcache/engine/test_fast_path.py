@@ -260,9 +260,10 @@ def _reachable(*roots: object) -> list[object]:
 
 
 def test_what_a_reader_keeps_costs_the_garbage_collector_nothing(engine: ModelEngine, own_model: ReadModel) -> None:
-    """The id lists (memo chains, a scan's encoding) and boundary spans a reader keeps hold
-    only ints and tuples of ints, so they are untracked by the cyclic collector: each
-    collection of the caller's process would visit every id of every conversation kept.
+    """The id lists (memo chains, a scan's encoding), boundary spans and key lists a reader
+    keeps hold only ints, tuples of ints, bytes and None, so they are untracked by the cyclic
+    collector: each collection of the caller's process would visit every id of every
+    conversation kept (and every AR key of every scan kept).
     The caller's own list stays tracked (it may put anything in it)."""
     with _segment(engine) as (store, reader):
         memo: ChainMemo[Chunks] = ChainMemo(LISTS)
@@ -279,9 +280,14 @@ def test_what_a_reader_keeps_costs_the_garbage_collector_nothing(engine: ModelEn
         kept = _reachable(memo, own_model.scanner)
         id_lists = [ref for c in kept if isinstance(c, Chunks) for ref, _ in c.parts]
         id_lists += [s.encoded.ids for s in kept if isinstance(s, Scan) and s.encoded is not None]
-        spans = [s.spans for s in kept if isinstance(s, Scan) and s.spans]
-        assert len(id_lists) >= 3 and spans, (len(id_lists), len(spans))  # else this tests nothing
-        assert not [len(x) for x in id_lists + spans if gc.is_tracked(x)]
+        scans = [s for s in kept if isinstance(s, Scan)]
+        spans = [s.spans for s in scans if s.spans] + [s.tail for s in scans if s.tail]
+        # Where hashing each text stopped (KeyState): its keys, AR keys and cut indices.
+        states = [st for s in scans for st in s.hashers.values()]
+        key_lists = [x for st in states for x in (st.l1, st.ar, st.keyed) if x]
+        assert len(id_lists) >= 3 and spans and key_lists, (len(id_lists), len(spans), len(key_lists))
+        assert not [len(x) for x in id_lists + spans + key_lists if gc.is_tracked(x)]
+        assert not [t for s in scans for t in s.spans if gc.is_tracked(t)]  # the spans themselves
     with pytest.raises(TypeError):
         untrack((1, 2))  # type: ignore[arg-type]
 
