@@ -421,8 +421,8 @@ def print_report(res: dict[str, Any]) -> None:
           "cores), minor page faults, kernel CPU (µs, part of the client CPU above)")
     print(f"{'P':>3}  " + "".join(f"{n:>30}" for n in names))
     for procs, runs in res["runs"].items():
-        cells = [f"{r['vol_csw_per_req']:>9.2f} csw {r.get('minflt_per_req', 0):>6.1f} flt "
-                 f"{r.get('client_sys_us_per_req', 0):>4.0f} sys"
+        cells = [f"{r['vol_csw_per_req']:>9.2f} csw {r['minflt_per_req']:>6.1f} flt "
+                 f"{r['client_sys_us_per_req']:>4.0f} sys"
                  if r and r.get("status") == "ok" and "vol_csw_per_req" in r
                  else f"{'-':>30}" for r in (runs.get(n) for n in names)]
         print(f"{procs:>3}  " + "".join(cells))

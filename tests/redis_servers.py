@@ -86,16 +86,17 @@ class RedisServer:
 
     def start(self, timeout: float = 20.0) -> RedisServer:
         """Start it and wait for PING (RuntimeError when it exits or does not answer in time)."""
-        for attempt in range(PORT_TRIES):
+        tries = 1
+        while True:
             try:
                 self._start(timeout)
                 self._started = True
                 return self
             except PortTaken:
-                if not self._pick or self._started or attempt == PORT_TRIES - 1:
+                if not self._pick or self._started or tries >= PORT_TRIES:
                     raise
+                tries += 1
                 self.port = free_port(self._bus)
-        raise AssertionError("unreachable")
 
     def _start(self, timeout: float) -> None:
         log = (self.workdir / f"redis-{self.port}.log").open("ab")
