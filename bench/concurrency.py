@@ -4,8 +4,10 @@
 Each of P processes (P = 1, 4, 16 by default) replays its own deterministic 40-turn agent
 conversations (``conversations.py``, ~57 KB at the last turn; every process and every pass
 gets another seed, so no two requests share a conversation) as fast as it can, turn after
-turn, and records every request's latency. Contenders run one after another on the same
-cores, each with its own fresh server and cache:
+turn, and records every request's latency (the prompts are made once, before any client
+starts). Each client sets its contender up, then freezes its start-up heap as vLLM's API
+server does before serving (``gc.freeze``; ``--no-gc-freeze``: not), and waits at a barrier.
+Contenders run one after another on the same cores, each with its own fresh server and cache:
 
 - ``fastokens``, ``fastokens+seg``  in-process in every client process (``+seg``: its segment cache)
 - ``smg``                           SMG 1.13's ``/v1/tokenize`` (HTTP keep-alive per process)
@@ -35,6 +37,7 @@ Run: ``python bench/concurrency.py`` (``--quick``: P = 1, 4 and fewer turns). Wr
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import multiprocessing as mp
 import os
@@ -129,19 +132,29 @@ def _recorder(client: Any, tok_dir: Path, texts: list[str]) -> Any:
     return record
 
 
-def _child(name: str, index: int, args: dict[str, Any], barrier: Any, out: Any) -> None:
-    """One client process: build its conversations, wait at the barrier, replay, report."""
+def texts_of(index: int, args: argparse.Namespace, render: conversations.Renderer) -> list[str]:
+    """The prompts client process ``index`` replays: its ``--passes`` conversations (a seed of
+    their own), turn after turn. The same for every contender and round."""
+    seeds = [args.seed + 1000 * index + k for k in range(args.passes)]
+    return [t for s in seeds for t in conversations.generate(s, render, args.turns, args.target_bytes).texts]
+
+
+def _child(name: str, index: int, args: dict[str, Any], texts: list[str], barrier: Any, out: Any) -> None:
+    """One client process: set up its contender, wait at the barrier, replay ``texts``, report."""
     try:
         import tokenizers
 
         tok_dir = Path(args["tok_dir"])
-        render = conversations.load_renderer(tok_dir)
-        seeds = [args["seed"] + 1000 * index + k for k in range(args["passes"])]
-        texts = [t for s in seeds for t in conversations.generate(s, render, args["turns"], args["target"]).texts]
         ref = tokenizers.Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
         fn = _client(name, tok_dir, args["target_addr"], args["smg_port"], texts)
         fn("warm-up: hello")  # connect / map / load before the clock starts
         record = getattr(fn, "record", None)
+        if args["gc_freeze"]:
+            # What vLLM's API server does once it has started (freeze_gc_heap in
+            # vllm/entrypoints/launchers/utils/server_utils.py): the start-up heap is moved out
+            # of the collector's reach, so its collections traverse only what serving made.
+            gc.collect()
+            gc.freeze()
         barrier.wait(timeout=600)
         lat: list[float] = []
         kept: list[tuple[int, list[int]]] = []
@@ -178,7 +191,8 @@ def _child(name: str, index: int, args: dict[str, Any], barrier: Any, out: Any) 
                  "vol_csw": ru1.ru_nvcsw - ru0.ru_nvcsw,
                  # Minor page faults (a page of the segment, or of the heap, first touched by this
                  # process) and the kernel's share of the CPU: what a shared mapping costs.
-                 "minflt": ru1.ru_minflt - ru0.ru_minflt, "sys_s": ru1.ru_stime - ru0.ru_stime})
+                 "minflt": ru1.ru_minflt - ru0.ru_minflt, "sys_s": ru1.ru_stime - ru0.ru_stime,
+                 "frozen": gc.get_freeze_count()})
     except BaseException as exc:  # report, never hang the parent
         try:
             barrier.abort()
@@ -207,8 +221,10 @@ def _proc_cpu_s(server: Any) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
 
-def run_one(name: str, procs: int, args: argparse.Namespace, tok_dir: Path) -> dict[str, Any]:
-    """Start the contender's server (if any), run ``procs`` clients, stop the server."""
+def run_one(name: str, procs: int, args: argparse.Namespace, tok_dir: Path,
+            texts: list[list[str]]) -> dict[str, Any]:
+    """Start the contender's server (if any), run ``procs`` clients (client ``i`` replays
+    ``texts[i]``), stop the server."""
     server: Any = None
     target, smg_port = "", 0
     try:
@@ -227,9 +243,9 @@ def run_one(name: str, procs: int, args: argparse.Namespace, tok_dir: Path) -> d
     ctx = mp.get_context("spawn")
     barrier = ctx.Barrier(procs + 1)
     out = ctx.Queue()
-    child_args = {"tok_dir": str(tok_dir), "seed": args.seed, "passes": args.passes, "turns": args.turns,
-                  "target": args.target_bytes, "target_addr": target, "smg_port": smg_port, "check": args.check}
-    children = [ctx.Process(target=_child, args=(name, i, child_args, barrier, out), daemon=True)
+    child_args = {"tok_dir": str(tok_dir), "target_addr": target, "smg_port": smg_port, "check": args.check,
+                  "gc_freeze": args.gc_freeze}
+    children = [ctx.Process(target=_child, args=(name, i, child_args, texts[i], barrier, out), daemon=True)
                 for i in range(procs)]
     try:
         for c in children:
@@ -270,6 +286,8 @@ def run_one(name: str, procs: int, args: argparse.Namespace, tok_dir: Path) -> d
             "minflt_per_req": sum(r["minflt"] for r in results) / len(lat),
             "client_sys_us_per_req": sum(r["sys_s"] for r in results) / len(lat) * 1e6,
             "mismatches": sum(r["mismatches"] for r in results), "writes": writes,
+            # Objects each client's start-up left frozen (the fewest of any client; 0: not frozen).
+            "gc_frozen_objects": min(r["frozen"] for r in results),
             "max_us": max(lat), "slowest": sorted(((x, r["index"], i) for r in results
                                                    for i, x in enumerate(r["lat_us"])), reverse=True)[:5],
             "served_by_local": sum((r["stats"].get("tokenize") or {}).get(k, 0)
@@ -322,6 +340,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="runs of every contender per P, in alternating order; each contender is reported by its "
                          "median run and each ratio is the median of the rounds' ratios (default 1)")
     ap.add_argument("--quick", action="store_true", help="P = 1, 4; 1 pass of 12 turns")
+    ap.add_argument("--no-gc-freeze", dest="gc_freeze", action="store_false",
+                    help="leave each client's start-up heap to the garbage collector (default: frozen once the "
+                         "client is set up, as vLLM's API server freezes its own before serving)")
     ap.add_argument("--tokenizer-dir", type=Path, default=None)
     ap.add_argument("--out-dir", type=Path, default=HERE / "out")
     args = ap.parse_args(argv)
@@ -347,12 +368,17 @@ def main(argv: list[str] | None = None) -> int:
     res: dict[str, Any] = {
         "benchmark": "concurrency",
         "config": {"procs": args.proc_list, "rounds": args.rounds, "passes": args.passes, "turns": args.turns,
-                   "target_bytes": args.target_bytes, "tokenizer_dir": str(tok_dir), "seed": args.seed},
+                   "target_bytes": args.target_bytes, "tokenizer_dir": str(tok_dir), "seed": args.seed,
+                   "gc_freeze": args.gc_freeze},
         "environment": {"python": platform.python_version(), "cpus": os.cpu_count(),
                         "loadavg_at_start": list(os.getloadavg())},
         "runs": {}, "ratios": {}, "rounds": {},
     }
     code = 0
+    # Every client's prompts, made here once (a client process would spend seconds of the
+    # machine's 2 cores loading the chat template for them, per contender and round).
+    render = conversations.load_renderer(tok_dir)
+    texts = [texts_of(i, args, render) for i in range(max(args.proc_list))]
     for procs in args.proc_list:
         rounds: list[dict[str, Any]] = []
         for rnd in range(args.rounds):
@@ -363,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
             for name in order:
                 label = f" (round {rnd + 1}/{args.rounds})" if args.rounds > 1 else ""
                 print(f"P={procs:>2} {name}{label} ...", file=sys.stderr, flush=True)
-                r = run_one(name, procs, args, tok_dir)
+                r = run_one(name, procs, args, tok_dir, texts)
                 got[name] = r
                 if r["status"] == "ok":
                     print(f"   {r['req_per_s']:8.1f} req/s  p50 {r['p50_us']:8.0f} µs  p99 {r['p99_us']:8.0f} µs"

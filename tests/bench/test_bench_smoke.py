@@ -68,19 +68,21 @@ def test_concurrency_quick_run_counts_requests_and_cpu(tmp_path: Path) -> None:
     """bench/concurrency.py: every run answers with the reference's ids, and CPU per request
     is accounted on both sides (the sidecar's shows when it serves RPCs or records)."""
     proc = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "concurrency.py"), "--quick", "--contenders",
+        [sys.executable, str(REPO / "bench" / "concurrency.py"), "--quick", "--procs", "1,2", "--contenders",
          "fastokens+seg,tokcache,tokcache-rpc,tokcache-ar", "--check", "1", "--out-dir", str(tmp_path)],
         capture_output=True, text=True, timeout=300, cwd=REPO,
     )
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
     result = json.loads((tmp_path / "concurrency.json").read_text())
-    assert set(result["runs"]) == {"1", "4"}
+    assert set(result["runs"]) == {"1", "2"}  # (2, not --quick's 4: the same checks, half the start-up)
+    assert result["config"]["gc_freeze"] is True
     for procs, runs in result["runs"].items():
         for name, r in runs.items():
             assert r["status"] == "ok" and r["mismatches"] == 0, (procs, name, r)
             assert r["requests"] == int(procs) * 12 and r["client_cpu_us_per_req"] > 0, (procs, name)
             assert r["vol_csw_per_req"] >= 0, (procs, name)
             assert r["minflt_per_req"] >= 0 and r["client_sys_us_per_req"] >= 0, (procs, name)
+            assert r["gc_frozen_objects"] > 1000, (procs, name)  # each client froze its start-up heap
         assert runs["tokcache"]["served_by_local"] >= runs["tokcache"]["requests"]  # no RPC for reads
         assert runs["tokcache-rpc"]["served_by_local"] == 0
         # A reader maps the segment and writes records into pages it has not touched yet.
@@ -136,3 +138,4 @@ def test_concurrency_ratio_and_median_helpers() -> None:
     assert median_run([run(5, 1), failed, run(4, 1)]) is failed  # a failure is never hidden
     with pytest.raises(SystemExit):
         parse_args(["--rounds", "0"])
+    assert parse_args([]).gc_freeze and not parse_args(["--no-gc-freeze"]).gc_freeze
