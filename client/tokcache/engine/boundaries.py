@@ -185,11 +185,22 @@ class Scan:
     encoded: Encoded | None = None
     # A text extending this one was filed since (its head, if any, is of no more use).
     superseded: bool = False
+    # The text this one's line of extensions started from (a conversation's first turn, or a
+    # history the template rewrote: one that extended none of the texts before it), when that
+    # is not this one; kept alive here for the next rewrite of the history (see _MEMO_ROOTS).
+    root: Scan | None = None
 
     @property
     def weight(self) -> int:
-        """Bytes this entry keeps alive (for the memo's budget)."""
-        return len(self.data) + (sys.getsizeof(self.text) if self.text is not None else 0)
+        """Bytes this entry keeps alive (for the memo's budget): its texts, and its root's."""
+        own = len(self.data) + (sys.getsizeof(self.text) if self.text is not None else 0)
+        root = self.root
+        return own if root is None else own + len(root.data) + (sys.getsizeof(root.text) if root.text else 0)
+
+    @property
+    def line_root(self) -> Scan:
+        """The text this one's line of extensions started from (``root``, or this one)."""
+        return self if self.root is None else self.root
 
     def prefix(self, limit: int) -> Scan | None:
         """A base for a text that shares this one's first ``limit + maxlen - 1`` bytes and then
@@ -239,6 +250,17 @@ _MEMO_PROBES = 48  # anchors tried: a base up to ~192K units shorter is found
 _MEMO_PER_KEY = 32  # texts filed under one key (many conversations' first turns may share one)
 _MEMO_CHECK = 256  # units before a candidate's end compared before the whole of it
 _MEMO_RECENT = 4  # the latest texts, tried before any anchor (one per conversation in flight)
+# A text that extends none of the latest may extend the text its conversation's line of turns
+# started from (``Scan.root``): a template that rewrites history when the user speaks (Qwen3
+# drops the reasoning of the turns since the user's previous message) renders the rewritten
+# text as an extension of the prompt that followed that message, which is the previous such
+# rewrite, or the conversation's first prompt (8 bench conversations: each of their 37
+# rewritten turns extends the previous rewrite or first prompt, 5-9 turns back). Found, it
+# is scanned, keyed and encoded from that text's end with its spans, key states and canonical
+# encoding, as an extension is. The roots of the latest texts are tried, then the latest
+# this many roots (a conversation's first rewrite extends its first prompt, whose line ended
+# when the second prompt rewrote the first's generation prompt).
+_MEMO_ROOTS = 8
 
 
 # A text that extends none of the latest may still share a long prefix with one of them: a
@@ -323,6 +345,10 @@ class BoundaryScanner:
         # few conversations at a time finds each one's previous turn here with one compare.
         # A text leaves it for the anchors when newer ones push it out.
         self._recent: list[Scan] = []
+        # The latest texts that extended none of the latest ones (see _MEMO_ROOTS), newest
+        # first, and their weight (apart from _bytes: a root in the memo too counts twice).
+        self._roots: list[Scan] = []
+        self._root_bytes = 0
         self._memo_bytes = memo_bytes
         self._bytes = 0
         self._lock = threading.Lock()
@@ -374,8 +400,8 @@ class BoundaryScanner:
         """The boundary spans of UTF-8 ``data`` (== a full scan), reusing a recent text it extends."""
         if self._pattern is None:
             return Scan(data, [], [], len(data), 0)
-        base = self._base(data)
-        return self._finish(data, base if base is not None else self._shared(data), None)
+        base, extends = self._base(data)
+        return self._finish(data, base if base is not None else self._shared(data), None, extends)
 
     def scan_text(self, text: str) -> Scan:
         """:meth:`scan` of ``text`` (its UTF-8 is ``Scan.data``): when a recent text scanned
@@ -387,7 +413,7 @@ class BoundaryScanner:
         if self._pattern is None:
             data = text.encode("utf-8")
             return Scan(data, [], [], len(data), 0, text=text)
-        base = self._base(text)
+        base, extends = self._base(text)
         if base is not None:
             assert base.text is not None
             n = len(base.text)
@@ -398,7 +424,7 @@ class BoundaryScanner:
         else:
             data = text.encode("utf-8")
             base = self._shared(data)
-        return self._finish(data, base, text)
+        return self._finish(data, base, text, extends)
 
     def _shared(self, data: bytes) -> Scan | None:
         """A base for ``data``, which extends none of the latest texts, from the one it shares
@@ -411,17 +437,25 @@ class BoundaryScanner:
                 best, shared = c, n
         return None if best is None else best.prefix(shared - self._maxlen + 1)
 
-    def _base(self, seq: str | bytes) -> Scan | None:
-        """The longest recent text that ``seq`` extends (a str: one scanned from a str), or None."""
+    def _base(self, seq: str | bytes) -> tuple[Scan | None, bool]:
+        """(the longest recent text that ``seq`` extends (a str: one scanned from a str), or None;
+        whether ``seq`` continues that text's line (False: it starts a line, see _MEMO_ROOTS))."""
         is_text = isinstance(seq, str)
         n = len(seq)
-        for c in tuple(self._recent):  # the newest first; a snapshot (other threads file too)
+        recent = tuple(self._recent)  # the newest first; a snapshot (other threads file too)
+        for c in recent:
             old = c.text if is_text else c.data
             if old is not None and (c.text is not None) == is_text:
                 m = len(old)
                 if m <= n and seq[max(0, m - _MEMO_CHECK):m] == old[-_MEMO_CHECK:] \
                         and seq.startswith(old):  # type: ignore[arg-type]  # old has seq's type
-                    return c
+                    return c, True
+        # A rewritten history: the root of a latest text's line, else one of the latest roots.
+        root = self._extended([c.root for c in recent if c.root is not None], seq, is_text)
+        if root is None:
+            root = self._extended(tuple(self._roots), seq, is_text)
+        if root is not None:
+            return root, False
         top = _anchor(n)
         memo = self._memo
         for a in range(top, max(-1, top - _MEMO_PROBES * _MEMO_GRID), -_MEMO_GRID):
@@ -429,18 +463,26 @@ class BoundaryScanner:
             with self._lock:
                 bucket = memo.get(key)
                 candidates = list(bucket) if bucket else ()
-            best: Scan | None = None
-            best_len = -1
-            for c in candidates:  # the longest that is a prefix; its end compared first (cheap)
-                old = c.text if is_text else c.data
-                assert old is not None
-                m = len(old)
-                if best_len < m <= n and seq[max(0, m - _MEMO_CHECK):m] == old[-_MEMO_CHECK:] \
-                        and seq.startswith(old):  # type: ignore[arg-type]  # old has seq's type
-                    best, best_len = c, m
+            best = self._extended(candidates, seq, is_text)
             if best is not None:
-                return best
-        return None
+                return best, True
+        return None, False
+
+    @staticmethod
+    def _extended(candidates: Sequence[Scan], seq: str | bytes, is_text: bool) -> Scan | None:
+        """The longest of ``candidates`` (scanned from seq's type) that ``seq`` extends, or None."""
+        n = len(seq)
+        best: Scan | None = None
+        best_len = -1
+        for c in candidates:  # the longest that is a prefix; its end compared first (cheap)
+            old = c.text if is_text else c.data
+            if old is None or (c.text is not None) != is_text:
+                continue
+            m = len(old)
+            if best_len < m <= n and seq[max(0, m - _MEMO_CHECK):m] == old[-_MEMO_CHECK:] \
+                    and seq.startswith(old):  # type: ignore[arg-type]  # old has seq's type
+                best, best_len = c, m
+        return best
 
     def _file(self, scan: Scan, is_text: bool) -> tuple[bool, int, int] | None:
         """The memo key of ``scan`` (None: too short to file)."""
@@ -449,8 +491,11 @@ class BoundaryScanner:
         a = _anchor(len(seq))
         return None if a < 0 else (is_text, a, hash(seq[a:a + _MEMO_WINDOW]))
 
-    def _finish(self, data: bytes, base: Scan | None, text: str | None) -> Scan:
+    def _finish(self, data: bytes, base: Scan | None, text: str | None, extends: bool) -> Scan:
+        """The scan of ``data`` from ``base`` (None: from the start), filed; ``extends``: it continues
+        ``base``'s line (else it starts one: see _MEMO_ROOTS)."""
         assert self._pattern is not None
+        root = base.line_root if extends and base is not None else None
         if base is None:
             spans: list[tuple[int, int]] = []
             kept_end = pos = 0
@@ -468,7 +513,7 @@ class BoundaryScanner:
             stable += len(spans)
             spans += new
             return self._keep(Scan(data, spans, tail, tail_from, kept_end, len(base.data) if base is not None else 0,
-                                   text, base=base, stable=stable), base)
+                                   text, base=base, stable=stable, root=root), base)
         tail = []
         stable = -1
         boundaries = self._boundaries
@@ -483,7 +528,7 @@ class BoundaryScanner:
             if m.group() in boundaries:
                 spans.append(span)
         scan = Scan(data, spans, tail, tail_from, kept_end, len(base.data) if base is not None else 0, text,
-                    base=base, stable=len(spans) if stable < 0 else stable)
+                    base=base, stable=len(spans) if stable < 0 else stable, root=root)
         return self._keep(scan, base)
 
     def _keep(self, scan: Scan, base: Scan | None) -> Scan:
@@ -510,10 +555,25 @@ class BoundaryScanner:
                     e.filed = None
             while self._bytes > self._memo_bytes and recent:
                 self._bytes -= recent.pop().weight
+            if scan.root is None:
+                self._root(scan, base)
         if base is not None:  # one level is all a reader uses: do not keep a chain of old texts alive
             base.base = None
             base.superseded = True
         return scan
+
+    def _root(self, scan: Scan, base: Scan | None) -> None:
+        """Keep ``scan`` among the latest roots, instead of ``base`` if that was one. Lock held."""
+        roots = self._roots
+        for i, r in enumerate(roots):
+            if r is base:  # (identity: an equal text may be another conversation's)
+                del roots[i]
+                self._root_bytes -= r.weight
+                break
+        roots.insert(0, scan)
+        self._root_bytes += scan.weight
+        while roots and (len(roots) > _MEMO_ROOTS or self._root_bytes > self._memo_bytes // 4):
+            self._root_bytes -= roots.pop().weight
 
     def _file_old(self, scan: Scan) -> None:
         """File a text that left the recent ones under its anchor (or forget it). Lock held."""

@@ -623,7 +623,8 @@ class Lookup(Generic[Ids, Out]):
         except StoreError:
             return None
         # Filed for the next turn, and its keys made, in settle (after the reply).
-        scan = Scan(data, spans, tail, tail_from, kept_end, len(base.data), text, base=base, stable=stable)
+        scan = Scan(data, spans, tail, tail_from, kept_end, len(base.data), text, base=base, stable=stable,
+                    root=base.line_root)
         return self._serve(scan, None, store, ar, hit, decision, len(text), add_special_tokens, salt, tag, False,
                            t0, tail_chars, (salt, tag, keyed, keys_list, exact, state_cut, state_hasher, ar_keys))
 

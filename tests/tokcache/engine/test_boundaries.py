@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from tokcache.engine import boundaries
 from tokcache.engine.boundaries import BoundaryScanner, check_boundaries
 from tokcache.engine.encoder import TokenizersEncoder
 
@@ -139,6 +140,75 @@ def test_a_rewritten_text_reuses_the_prefix_it_shares(qwen3_path: Path) -> None:
                 assert scan.spans == fresh.spans(scan.data), text
                 reused += 0 < scan.base_len < len(scan.data)
     assert reused > 100  # most rewrites shared enough to reuse a prefix
+
+
+def test_a_rewritten_history_extends_the_root_of_its_line(qwen3_path: Path) -> None:
+    """A template that rewrites history when the user speaks (Qwen3 drops the reasoning of the
+    turns since the user's previous message) renders a text that extends none of the latest
+    texts but the one its conversation's line of turns started from: the first prompt, or the
+    previous rewrite. The scanner finds that text (the root of a latest text's line, or one of
+    the latest roots) and scans only what was appended to it; the rewrite starts a line of its
+    own. Every scan equals a full scan, with other conversations interleaved, from str and
+    from UTF-8 alike."""
+    import random
+
+    path = qwen3_path / "tokenizer.json"
+    check = check_boundaries(path, TokenizersEncoder(path))
+    added = [str(t["content"]) for t in json.loads(path.read_text())["added_tokens"]]
+    fresh = BoundaryScanner(added, check.boundary_tokens, memo_bytes=0)
+    rng = random.Random(13)
+
+    def words(n: int) -> str:
+        return " ".join(rng.choice(["read", "file", "ok", "命令", "é", "🛠"]) for _ in range(n))
+
+    for scanner, as_bytes in ((BoundaryScanner.from_tokenizer(path, check), False),
+                              (BoundaryScanner.from_tokenizer(path, check), True),
+                              (BoundaryScanner(added, check.boundary_tokens, native=False), False)):
+        def scan(text: str, scanner: BoundaryScanner = scanner, as_bytes: bool = as_bytes) -> boundaries.Scan:
+            got = scanner.scan(text.encode()) if as_bytes else scanner.scan_text(text)
+            assert got.data == text.encode() and got.spans == fresh.spans(got.data)
+            return got
+
+        system = "<|im_start|>system\n" + words(800) + "<|im_end|>\n"
+        convs = 3  # interleaved: each conversation's latest text stays among the latest four
+        first = [f"{system}<|im_start|>user\nconversation {c}: {words(300)}<|im_end|>\n<|im_start|>assistant\n"
+                 for c in range(convs)]
+        line_root = list(first)  # what each conversation's next rewrite extends
+        latest = list(first)
+        for c in range(convs):
+            assert scan(first[c]).root is None
+        for c in range(convs):  # the second prompt rewrites the first's end (a line of its own)
+            latest[c] = first[c][:-12] + "<think>\n\n</think>\n\n" + words(50)
+            got = scan(latest[c])
+            assert got.root is None and 0 < got.base_len < len(first[c].encode())
+        for round_ in range(4):
+            for _ in range(5):  # turns that extend the latest (with reasoning)
+                for c in range(convs):
+                    latest[c] += f"<think>{words(40)}</think><tool_call>{words(30)}</tool_call><|im_end|>\n"
+                    got = scan(latest[c])
+                    assert got.root is not None and got.base_len > 0
+            for c in range(convs):  # the user speaks: the reasoning is dropped
+                text = (line_root[c] + f"<tool_call>{words(30)}</tool_call><|im_end|>\n"
+                        f"<|im_start|>user\nround {round_}: {words(40)}<|im_end|>\n<|im_start|>assistant\n")
+                got = scan(text)
+                assert got.base_len == len(line_root[c].encode()), (round_, c)
+                assert got.root is None  # a line of its own
+                line_root[c] = latest[c] = text
+        assert len(scanner._roots) <= boundaries._MEMO_ROOTS
+
+
+def test_roots_stay_within_the_memo_budget(qwen3_path: Path) -> None:
+    """The latest roots are kept within a quarter of the memo's budget; a memo of no budget
+    keeps none (and still scans right)."""
+    path = qwen3_path / "tokenizer.json"
+    check = check_boundaries(path, TokenizersEncoder(path))
+    added = [str(t["content"]) for t in json.loads(path.read_text())["added_tokens"]]
+    for budget in (0, 40_000):
+        scanner = BoundaryScanner(added, check.boundary_tokens, memo_bytes=budget)
+        for i in range(20):
+            text = f"<|im_start|>user\n{i} " + "x" * 5000 + "<|im_end|>\n"
+            assert scanner.scan_text(text).spans == [(0, 12), (len(text) - 11, len(text) - 1)]
+            assert scanner._root_bytes == sum(r.weight for r in scanner._roots) <= budget // 4
 
 
 def test_common_prefix_native_equals_reference() -> None:
