@@ -376,9 +376,9 @@ static int attr_ssize(PyObject *o, PyObject *name, Py_ssize_t *out) {
 }
 
 PyDoc_STRVAR(extend_doc,
-"extend(text, recent, ns, ctx, tail, now, ar) -> tuple | None\n\n"
-"Lookup._tokenize's scan, keys and hit for ``text`` when it extends one of ``recent`` (the\n"
-"scan memo's latest Scans, newest first) that holds a KeyState for ``ns``, no L0 entry and\n"
+"extend(text, bases, ns, ctx, tail, now, ar) -> tuple | None\n\n"
+"Lookup._tokenize's scan, keys and hit for ``text`` when it extends one of ``bases`` (the\n"
+"Scans BoundaryScanner.bases lists; the first it extends) that holds a KeyState for ``ns``, no L0 entry and\n"
 "no gallop applies, and the winning keyed cut's chain is held (ChainMemo.held_key's answer, read\n"
 "from ChainMemo.native_view's two dicts). ``ctx`` is (matcher, maxlen, grid, tail_probes,\n"
 "index_buffer, index_off, n_buckets, memo_by_lsn, memo_entries, max_text_bytes). Returns (base,\n"
@@ -389,11 +389,11 @@ PyDoc_STRVAR(extend_doc,
 "that is live (-1: none), for the caller to read; without, ``ar_keys`` is None and ``ar_at`` -1.");
 
 static PyObject *py_extend(PyObject *self, PyObject *args) {
-    PyObject *text, *recent, *ns, *ctx;
+    PyObject *text, *bases, *ns, *ctx;
     unsigned long long tail;
     double now;
     int want_ar;
-    if (!PyArg_ParseTuple(args, "UO!OO!Kdp", &text, &PyList_Type, &recent, &ns, &PyTuple_Type, &ctx, &tail, &now,
+    if (!PyArg_ParseTuple(args, "UO!OO!Kdp", &text, &PyList_Type, &bases, &ns, &PyTuple_Type, &ctx, &tail, &now,
                           &want_ar))
         return NULL;
     Matcher *matcher;
@@ -412,8 +412,8 @@ static PyObject *py_extend(PyObject *self, PyObject *args) {
     Py_buffer view;
     int have_view = 0;
 
-    /* 1. The text this one extends: one of the latest (a snapshot: other threads file too). */
-    snapshot = PySequence_Tuple(recent);
+    /* 1. The text this one extends: the first of ``bases`` it extends. */
+    snapshot = PySequence_Tuple(bases);
     if (!snapshot) goto fail;
     Py_ssize_t n_chars = PyUnicode_GET_LENGTH(text), m = 0;
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(snapshot) && !base; i++) {

@@ -373,10 +373,15 @@ class BoundaryScanner:
         differently once it grows)."""
         return self._maxlen
 
-    @property
-    def recent(self) -> list[Scan]:
-        """The memo's latest texts, newest first (read it as a snapshot: threads file too)."""
-        return self._recent
+    def bases(self) -> tuple[list[Scan], int]:
+        """The texts a new one may extend, as :meth:`scan_text` tries them: the latest, newest first,
+        then their lines' roots and the latest roots (see _MEMO_ROOTS); and how many are the latest
+        (a text extending one of the others starts a line of its own). A snapshot."""
+        bases = list(self._recent)
+        n = len(bases)
+        bases += [c.root for c in bases if c.root is not None]
+        bases += self._roots
+        return bases, n
 
     def keep(self, scan: Scan) -> Scan:
         """File ``scan`` (made outside :meth:`scan_text`, from ``scan.base``) in the memo, as a scan

@@ -605,11 +605,15 @@ class Lookup(Generic[Ids, Out]):
                         n_buckets, *self.memo.native_view(), self.limits.max_text_bytes)
                 ctx = self._fast_ctx = (store, args)
             ns = (salt, tag)
-            got = _native.extend(text, self.model.scanner.recent, ns, ctx[1], store.tail(), time.time(), ar)
+            # The latest texts, then the roots a rewritten history extends (BoundaryScanner.bases).
+            bases, latest = self.model.scanner.bases()
+            got = _native.extend(text, bases, ns, ctx[1], store.tail(), time.time(), ar)
             if got is None:
                 return None
             (base, data, spans, tail, tail_from, kept_end, stable, keyed, keys_list, state_hasher, state_cut, exact,
              pos, key, held, tokens, tail_chars, ar_keys, ar_at) = got
+            # A text that extends a root rather than one of the latest starts a line of its own.
+            root = base.line_root if any(c is base for c in bases[:latest]) else None
             j = keyed[pos]
             hit: _Hit[Ids] = _Hit(held, tokens, spans[j][1], key, j + 1)
             decision = Decision(source="l1", boundaries=len(spans), l1_disabled_reason=self.model.l1_disabled_reason,
@@ -624,7 +628,7 @@ class Lookup(Generic[Ids, Out]):
             return None
         # Filed for the next turn, and its keys made, in settle (after the reply).
         scan = Scan(data, spans, tail, tail_from, kept_end, len(base.data), text, base=base, stable=stable,
-                    root=base.line_root)
+                    root=root)
         return self._serve(scan, None, store, ar, hit, decision, len(text), add_special_tokens, salt, tag, False,
                            t0, tail_chars, (salt, tag, keyed, keys_list, exact, state_cut, state_hasher, ar_keys))
 

@@ -210,6 +210,67 @@ def test_native_and_python_paths_agree_along_long_chats(engine: ModelEngine, mod
         assert ref.heads.used == 0
 
 
+_MARKUP = {"qwen3": ("<|im_end|>\n", "<|im_start|>{}\n"),
+           "llama32": ("<|eot_id|>", "<|start_header_id|>{}<|end_header_id|>\n\n")}
+
+
+@pytest.mark.parametrize("mode", ["exact", "kv-stable"])
+def test_a_history_rewritten_from_its_root_is_served_natively(engine: ModelEngine, model: ReadModel,
+                                                              own_model: ReadModel, mode: str,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A template that rewrites history when the user speaks (Qwen3 drops the reasoning since the
+    user's previous message) renders a text extending the prompt that followed that message: the
+    root of the conversation's line of turns (BoundaryScanner.bases), not its latest text. The
+    native path serves it from that root, with the Python path's ids, decision and write, and
+    the rewrite starts a line the next rewrite extends."""
+    counting = _Counting(lookup_mod._native)
+    monkeypatch.setattr(lookup_mod, "_native", counting)
+    end, head = _MARKUP[engine.name]
+    with _segment(engine) as (store, reader):
+        fast_memo: ChainMemo[Chunks] = ChainMemo(LISTS)
+        ref_memo: ChainMemo[Chunks] = ChainMemo(LISTS)
+        fast: Lookup[Chunks, list[int]] = Lookup(own_model, reader, fast_memo)
+        ref: Lookup[Chunks, list[int]] = Lookup(model, reader, ref_memo)
+        rng = random.Random(f"root-{engine.name}-{mode}")
+        root = engine.render([{"role": "system", "content": _para(rng, 300)},
+                              {"role": "user", "content": _para(rng, 100)}], add_generation_prompt=True)
+        rewrites = served_rewrites = 0
+
+        def turn(text: str) -> bool:
+            """Both paths on ``text``; the fast side's write stored, both memos told. Served natively?"""
+            before = counting.served
+            got = fast.tokenize(text, add_special_tokens=False, mode=mode)
+            monkeypatch.setattr(lookup_mod, "_native", None)
+            want = ref.tokenize(text, add_special_tokens=False, mode=mode)
+            monkeypatch.setattr(lookup_mod, "_native", counting)
+            assert got.ids == want.ids == engine.reference.encode(text)
+            for name in ("source", "cached_tokens", "cached_chars", "encoded_chars", "boundaries", "l1_hit"):
+                assert getattr(got.decision, name) == getattr(want.decision, name), name
+            assert (got.write is None) == (want.write is None)
+            if got.write is not None and want.write is not None:
+                assert list(got.write.ids) == list(want.write.ids) and got.write.entries() == want.write.entries()
+                stored = commit(store, fast_memo, got.write)
+                if stored is not None:
+                    ref_memo.put(stored, ref_memo.fmt.compact(want.write.full),
+                                 {e[0]: e[1] + stored.n - len(want.write.ids) for e in want.write.entries()})
+            return counting.served > before
+
+        turn(root)
+        for _ in range(4):
+            latest = root
+            for _ in range(4):  # the agent's turns, with their reasoning
+                latest += (f"<think>{_para(rng, 60)}</think>{_para(rng, 20)}{end}{head.format('tool')}"
+                           f"{_para(rng, 80)}{end}{head.format('assistant')}")
+                turn(latest)
+            # The user speaks: the reasoning since the previous user message is dropped.
+            root += (f"{_para(rng, 20)}{end}{head.format('tool')}{_para(rng, 80)}{end}{head.format('user')}"
+                     f"{_para(rng, 30)}{end}{head.format('assistant')}")
+            assert not root.startswith(latest)
+            rewrites += 1
+            served_rewrites += turn(root)
+        assert served_rewrites == rewrites, (served_rewrites, rewrites)
+
+
 def test_the_native_path_marks_the_chain_it_serves_as_used(engine: ModelEngine, own_model: ReadModel,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """The native path reads the memo's entry in place (ChainMemo.native_view) and marks it used,
