@@ -194,8 +194,7 @@ class Scan:
     def weight(self) -> int:
         """Bytes this entry keeps alive (for the memo's budget): its texts, and its root's."""
         own = len(self.data) + (sys.getsizeof(self.text) if self.text is not None else 0)
-        root = self.root
-        return own if root is None else own + len(root.data) + (sys.getsizeof(root.text) if root.text else 0)
+        return own if self.root is None else own + self.root.weight  # (a root has no root of its own)
 
     @property
     def line_root(self) -> Scan:
@@ -447,18 +446,16 @@ class BoundaryScanner:
         whether ``seq`` continues that text's line (False: it starts a line, see _MEMO_ROOTS))."""
         is_text = isinstance(seq, str)
         n = len(seq)
-        recent = tuple(self._recent)  # the newest first; a snapshot (other threads file too)
-        for c in recent:
+        bases, latest = self.bases()  # the newest first; a snapshot (other threads file too)
+        for c in bases[:latest]:
             old = c.text if is_text else c.data
             if old is not None and (c.text is not None) == is_text:
                 m = len(old)
                 if m <= n and seq[max(0, m - _MEMO_CHECK):m] == old[-_MEMO_CHECK:] \
                         and seq.startswith(old):  # type: ignore[arg-type]  # old has seq's type
                     return c, True
-        # A rewritten history: the root of a latest text's line, else one of the latest roots.
-        root = self._extended([c.root for c in recent if c.root is not None], seq, is_text)
-        if root is None:
-            root = self._extended(tuple(self._roots), seq, is_text)
+        # A rewritten history: the roots of the latest texts' lines, and the latest roots.
+        root = self._extended(bases[latest:], seq, is_text)
         if root is not None:
             return root, False
         top = _anchor(n)
