@@ -139,6 +139,13 @@ def texts_of(index: int, args: argparse.Namespace, render: conversations.Rendere
     return [t for s in seeds for t in conversations.generate(s, render, args.turns, args.target_bytes).texts]
 
 
+def deal(convs: list[list[str]], procs: int) -> list[list[str]]:
+    """``--conversations``: the conversations (each its prompts, turn after turn) dealt to ``procs``
+    processes in turn: process ``i`` replays conversations ``i``, ``i + procs``, ... So every P
+    replays the same requests, and a round lasts about as long at P = 1 as at P = 16."""
+    return [[t for conv in convs[i::procs] for t in conv] for i in range(procs)]
+
+
 def _child(name: str, index: int, args: dict[str, Any], texts: list[str], barrier: Any, out: Any) -> None:
     """One client process: set up its contender, wait at the barrier, replay ``texts``, report."""
     try:
@@ -332,6 +339,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--contenders", default=",".join(CONTENDERS),
                     help=f"subset of {','.join(CONTENDERS + OPT_IN)} (default: all but {','.join(OPT_IN)})")
     ap.add_argument("--passes", type=int, default=2, help="conversations each process replays (default 2)")
+    ap.add_argument("--conversations", type=int, default=0,
+                    help="instead of --passes: this many conversations at every P, dealt to its processes in "
+                         "turn (the same requests at every P; at P = 1 a --passes run's round lasts a tenth of "
+                         "a second, which one hiccup of a shared machine moves by tens of percent)")
     ap.add_argument("--turns", type=int, default=conversations.DEFAULT_TURNS)
     ap.add_argument("--target-bytes", type=int, default=conversations.DEFAULT_TARGET_BYTES)
     ap.add_argument("--seed", type=int, default=100)
@@ -356,6 +367,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error(f"unknown contenders {sorted(unknown)}")
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
+    if args.conversations < 0 or 0 < args.conversations < max(args.proc_list):
+        ap.error("--conversations must be 0 (use --passes) or at least the largest P")
     return args
 
 
@@ -367,7 +380,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     res: dict[str, Any] = {
         "benchmark": "concurrency",
-        "config": {"procs": args.proc_list, "rounds": args.rounds, "passes": args.passes, "turns": args.turns,
+        "config": {"procs": args.proc_list, "rounds": args.rounds, "passes": args.passes,
+                   "conversations": args.conversations, "turns": args.turns,
                    "target_bytes": args.target_bytes, "tokenizer_dir": str(tok_dir), "seed": args.seed,
                    "gc_freeze": args.gc_freeze},
         "environment": {"python": platform.python_version(), "cpus": os.cpu_count(),
@@ -378,8 +392,13 @@ def main(argv: list[str] | None = None) -> int:
     # Every client's prompts, made here once (a client process would spend seconds of the
     # machine's 2 cores loading the chat template for them, per contender and round).
     render = conversations.load_renderer(tok_dir)
-    texts = [texts_of(i, args, render) for i in range(max(args.proc_list))]
+    if args.conversations:
+        convs = [conversations.generate(args.seed + 1000 * c, render, args.turns, args.target_bytes).texts
+                 for c in range(args.conversations)]
+    else:
+        shared = [texts_of(i, args, render) for i in range(max(args.proc_list))]
     for procs in args.proc_list:
+        texts = deal(convs, procs) if args.conversations else shared
         rounds: list[dict[str, Any]] = []
         for rnd in range(args.rounds):
             # Alternate the order: a machine that slows down (or warms up) during a round then
@@ -417,7 +436,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def print_report(res: dict[str, Any]) -> None:
     cfg = res["config"]
-    print(f"\n== concurrency: P client processes x {cfg['passes']} conversations x {cfg['turns']} turns "
+    each = (f"{cfg['conversations']} conversations in all" if cfg.get("conversations")
+            else f"{cfg['passes']} conversations")
+    print(f"\n== concurrency: P client processes x {each} x {cfg['turns']} turns "
           f"(~{cfg['target_bytes'] / 1000:.0f} KB at the last turn), {res['environment']['cpus']} CPUs ==")
     names = sorted({n for runs in res["runs"].values() for n in runs}, key=(CONTENDERS + OPT_IN).index)
     print(f"{'P':>3}  " + "".join(f"{n:>30}" for n in names))

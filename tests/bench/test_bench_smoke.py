@@ -139,3 +139,23 @@ def test_concurrency_ratio_and_median_helpers() -> None:
     with pytest.raises(SystemExit):
         parse_args(["--rounds", "0"])
     assert parse_args([]).gc_freeze and not parse_args(["--no-gc-freeze"]).gc_freeze
+
+
+def test_concurrency_deals_the_same_conversations_at_every_p() -> None:
+    """--conversations: every P replays each conversation once, whole and in turn order, its
+    processes within one conversation of each other; fewer conversations than processes is refused."""
+    from bench.concurrency import deal, parse_args
+
+    convs = [[f"c{c} t{t}" for t in range(3)] for c in range(10)]
+    for procs in (1, 4, 10):
+        dealt = deal(convs, procs)
+        assert len(dealt) == procs
+        assert sorted(t for texts in dealt for t in texts) == sorted(t for conv in convs for t in conv)
+        for texts in dealt:  # each conversation's turns together and in order
+            assert all(texts[k:k + 3] == convs[int(texts[k].split()[0][1:])] for k in range(0, len(texts), 3))
+        sizes = [len(texts) // 3 for texts in dealt]
+        assert max(sizes) - min(sizes) <= 1
+    assert parse_args(["--procs", "1,4", "--conversations", "8"]).conversations == 8
+    assert parse_args([]).conversations == 0  # --passes, as before
+    with pytest.raises(SystemExit):
+        parse_args(["--procs", "1,16", "--conversations", "8"])
