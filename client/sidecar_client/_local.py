@@ -152,7 +152,11 @@ Learn = Callable[[str, str, str, str], None]
 """learn(model, text, salt, mode): ask the sidecar to tokenize (and so store) ``text``; must not block long."""
 
 
-@dataclass
+# Characters of a pending write's text compared before the whole (_Pending.extended_by).
+_END_CHARS = 32
+
+
+@dataclass(slots=True, eq=False)  # identity: the queue removes *this* write (list.remove compared fields)
 class _Pending:
     """One offered write; ``state``: 0 queued, 1 being written, 2 done."""
 
@@ -161,6 +165,20 @@ class _Pending:
     salt: str
     mode: str
     state: int = 0
+    end: str = ""  # the text's last _END_CHARS characters
+
+    def __post_init__(self) -> None:
+        self.end = self.text[-_END_CHARS:]
+
+    def extended_by(self, text: str) -> bool:
+        """Whether ``text`` starts with this write's text. Every request asks it of every queued
+        write: those no later text extends (a conversation's last turn, the turn before a
+        rewritten history) wait for the background thread, which under back-to-back requests
+        comes every WRITER_TICK_S (~10 queued in a 57 KB replay); their ends differ, where the
+        whole compare ran through the shared system prompt (4 bytes a character in a text with
+        an emoji) for each."""
+        n = len(self.text)
+        return len(text) >= n and text[n - len(self.end):n] == self.end and text.startswith(self.text)
 
 
 HandOff = Callable[["PendingWrite[Chunks] | None", "Ready[Chunks] | None", str, str, str], None]
@@ -393,7 +411,7 @@ class WriteBehind:
         order offered, whoever stores them (each chains to the one before)."""
         with self._lock:
             while True:
-                related = self._items if text is None else [i for i in self._items if text.startswith(i.text)]
+                related = self._items if text is None else [i for i in self._items if i.extended_by(text)]
                 item = next((i for i in related if i.state == 0), None)
                 if item is not None and not self._busy:
                     break

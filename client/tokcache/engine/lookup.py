@@ -197,7 +197,7 @@ class ReadModel:
     key_grid: int = KEY_GRID
 
 
-@dataclass
+@dataclass(slots=True)
 class Decision:
     """How the ids of one request were produced (mirrors the proto CacheDecision)."""
 
@@ -224,7 +224,7 @@ class Decision:
     timings: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
-@dataclass
+@dataclass(slots=True)
 class PendingWrite(Generic[Ids]):
     """The cache entries a lookup learned, to be stored after the reply.
 
@@ -290,7 +290,7 @@ class PendingWrite(Generic[Ids]):
         return self.keys.exact_key()
 
 
-@dataclass
+@dataclass(slots=True)
 class Result(Generic[Ids, Out]):
     """The ids of one request (which the caller owns), how, and what to store."""
 
@@ -304,7 +304,7 @@ class Result(Generic[Ids, Out]):
     later: Later[Ids] | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class _Hit(Generic[Ids]):
     """Step 1's answer: the cached prefix (``ids[:tokens]``), where the text after it
     starts, and what the new record would chain to."""
@@ -317,7 +317,7 @@ class _Hit(Generic[Ids]):
     exact: bool = False
 
 
-@dataclass
+@dataclass(slots=True)
 class _Tail(Generic[Out]):
     """Step 2's answer: the tail's ids, the tokens after each piece (None: not computed),
     spliced AR tokens, and when a head was taken (see tokcache.engine.heads) the caller's
@@ -353,7 +353,7 @@ class _Tail(Generic[Out]):
         return self.ids
 
 
-@dataclass
+@dataclass(slots=True)
 class Later(Generic[Ids]):
     """What a read leaves for after its reply (:meth:`Lookup.settle`): filing its scan for
     the next turn (``native_keys`` set: the native fast path's scan, not filed yet), its key
