@@ -5,8 +5,10 @@ Each of P processes (P = 1, 4, 16 by default) replays its own deterministic 40-t
 conversations (``conversations.py``, ~57 KB at the last turn; every process and every pass
 gets another seed, so no two requests share a conversation) as fast as it can, turn after
 turn, and records every request's latency (the prompts are made once, before any client
-starts). Each client sets its contender up, then freezes its start-up heap as vLLM's API
-server does before serving (``gc.freeze``; ``--no-gc-freeze``: not), and waits at a barrier.
+starts). With ``--conversations N`` every P replays the same N conversations instead, dealt to
+its processes in turn, so a round lasts about as long at P = 1 as at P = 16. Each client sets
+its contender up, then freezes its start-up heap as vLLM's API server does before serving
+(``gc.freeze``; ``--no-gc-freeze``: not), and waits at a barrier.
 Contenders run one after another on the same cores, each with its own fresh server and cache:
 
 - ``fastokens``, ``fastokens+seg``  in-process in every client process (``+seg``: its segment cache)
@@ -392,13 +394,11 @@ def main(argv: list[str] | None = None) -> int:
     # Every client's prompts, made here once (a client process would spend seconds of the
     # machine's 2 cores loading the chat template for them, per contender and round).
     render = conversations.load_renderer(tok_dir)
-    if args.conversations:
-        convs = [conversations.generate(args.seed + 1000 * c, render, args.turns, args.target_bytes).texts
-                 for c in range(args.conversations)]
-    else:
-        shared = [texts_of(i, args, render) for i in range(max(args.proc_list))]
+    convs = [conversations.generate(args.seed + 1000 * c, render, args.turns, args.target_bytes).texts
+             for c in range(args.conversations)]  # --conversations (none: --passes)
+    shared = [] if convs else [texts_of(i, args, render) for i in range(max(args.proc_list))]
     for procs in args.proc_list:
-        texts = deal(convs, procs) if args.conversations else shared
+        texts = deal(convs, procs) if convs else shared
         rounds: list[dict[str, Any]] = []
         for rnd in range(args.rounds):
             # Alternate the order: a machine that slows down (or warms up) during a round then

@@ -165,7 +165,7 @@ class _Pending:
     salt: str
     mode: str
     state: int = 0
-    end: str = ""  # the text's last _END_CHARS characters
+    end: str = field(default="", init=False, repr=False)  # the text's last _END_CHARS characters
 
     def __post_init__(self) -> None:
         self.end = self.text[-_END_CHARS:]
