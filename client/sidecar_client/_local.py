@@ -38,6 +38,7 @@ from typing import Any, NamedTuple
 from sidecar_client._models import CacheDecision, TokenizeResult
 from sidecar_client._telemetry import trace_local
 from sidecar_client.errors import InvalidArgumentError, ResourceExhaustedError
+from tokcache.engine.boundaries import extends
 from tokcache.engine.errors import InvalidRequest, RequestTooLarge
 from tokcache.engine.heads import Heads, Ready
 from tokcache.engine.ids import LISTS, Chunks
@@ -152,10 +153,6 @@ Learn = Callable[[str, str, str, str], None]
 """learn(model, text, salt, mode): ask the sidecar to tokenize (and so store) ``text``; must not block long."""
 
 
-# Characters of a pending write's text compared before the whole (_Pending.extended_by).
-_END_CHARS = 32
-
-
 @dataclass(slots=True, eq=False)  # identity: the queue removes *this* write (list.remove compared fields)
 class _Pending:
     """One offered write; ``state``: 0 queued, 1 being written, 2 done."""
@@ -165,20 +162,13 @@ class _Pending:
     salt: str
     mode: str
     state: int = 0
-    end: str = field(default="", init=False, repr=False)  # the text's last _END_CHARS characters
-
-    def __post_init__(self) -> None:
-        self.end = self.text[-_END_CHARS:]
 
     def extended_by(self, text: str) -> bool:
-        """Whether ``text`` starts with this write's text. Every request asks it of every queued
-        write: those no later text extends (a conversation's last turn, the turn before a
-        rewritten history) wait for the background thread, which under back-to-back requests
-        comes every WRITER_TICK_S (~10 queued in a 57 KB replay); their ends differ, where the
-        whole compare ran through the shared system prompt (4 bytes a character in a text with
-        an emoji) for each."""
-        n = len(self.text)
-        return len(text) >= n and text[n - len(self.end):n] == self.end and text.startswith(self.text)
+        """Whether ``text`` starts with this write's text, its end compared first (boundaries.extends).
+        Every request asks it of every queued write: those no later text extends (a conversation's
+        last turn, the turn before a rewritten history) wait for the background thread, which under
+        back-to-back requests comes every WRITER_TICK_S (~10 queued in a 57 KB replay)."""
+        return extends(text, self.text)
 
 
 HandOff = Callable[["PendingWrite[Chunks] | None", "Ready[Chunks] | None", str, str, str], None]

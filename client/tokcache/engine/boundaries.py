@@ -44,7 +44,7 @@ def _load_native() -> Any:  # noqa: ANN401 - the extension module, or None
 
 _native: Any = _load_native()
 
-__all__ = ["BoundaryCheck", "BoundaryScanner", "Encoded", "Scan", "added_tokens", "check_boundaries"]
+__all__ = ["BoundaryCheck", "BoundaryScanner", "Encoded", "Scan", "added_tokens", "check_boundaries", "extends"]
 
 # (a, b) pairs around each candidate token: whitespace on either side probes
 # lstrip/rstrip, letters right after probe single_word, an empty ``a`` probes
@@ -288,6 +288,15 @@ def _common_prefix(a: bytes, b: bytes) -> int:
 common_prefix = _native.common_prefix if _native is not None else _common_prefix
 
 
+def extends(seq: str | bytes, old: str | bytes) -> bool:
+    """Whether ``seq`` starts with ``old`` (of seq's type). The end of ``old`` is compared first:
+    a text that does not extend it usually differs there, where the whole compare would run
+    through the prefix they share (a system prompt: 4 bytes a character in a str holding an emoji)."""
+    m = len(old)
+    return m <= len(seq) and seq[max(0, m - _MEMO_CHECK):m] == old[-_MEMO_CHECK:] \
+        and seq.startswith(old)  # type: ignore[arg-type]  # old has seq's type
+
+
 def _anchor(n: int) -> int:
     """Where the memo window of a text of length ``n`` starts (-1: too short to file)."""
     return (n - _MEMO_WINDOW) // _MEMO_GRID * _MEMO_GRID if n >= _MEMO_WINDOW else -1
@@ -449,11 +458,8 @@ class BoundaryScanner:
         bases, latest = self.bases()  # the newest first; a snapshot (other threads file too)
         for c in bases[:latest]:
             old = c.text if is_text else c.data
-            if old is not None and (c.text is not None) == is_text:
-                m = len(old)
-                if m <= n and seq[max(0, m - _MEMO_CHECK):m] == old[-_MEMO_CHECK:] \
-                        and seq.startswith(old):  # type: ignore[arg-type]  # old has seq's type
-                    return c, True
+            if old is not None and (c.text is not None) == is_text and extends(seq, old):
+                return c, True
         # A rewritten history: the roots of the latest texts' lines, and the latest roots.
         root = self._extended(bases[latest:], seq, is_text)
         if root is not None:
@@ -473,17 +479,14 @@ class BoundaryScanner:
     @staticmethod
     def _extended(candidates: Sequence[Scan], seq: str | bytes, is_text: bool) -> Scan | None:
         """The longest of ``candidates`` (scanned from seq's type) that ``seq`` extends, or None."""
-        n = len(seq)
         best: Scan | None = None
         best_len = -1
-        for c in candidates:  # the longest that is a prefix; its end compared first (cheap)
+        for c in candidates:  # the longest that is a prefix
             old = c.text if is_text else c.data
             if old is None or (c.text is not None) != is_text:
                 continue
-            m = len(old)
-            if best_len < m <= n and seq[max(0, m - _MEMO_CHECK):m] == old[-_MEMO_CHECK:] \
-                    and seq.startswith(old):  # type: ignore[arg-type]  # old has seq's type
-                best, best_len = c, m
+            if len(old) > best_len and extends(seq, old):
+                best, best_len = c, len(old)
         return best
 
     def _file(self, scan: Scan, is_text: bool) -> tuple[bool, int, int] | None:
