@@ -189,12 +189,14 @@ class Scan:
     # history the template rewrote: one that extended none of the texts before it), when that
     # is not this one; kept alive here for the next rewrite of the history (see _MEMO_ROOTS).
     root: Scan | None = None
+    # Bytes this entry keeps alive (for the memo's budget): its texts, and its root's. Fixed
+    # at construction (the texts and the root never change), so the memo adds and subtracts
+    # the same figure, and reading it touches neither the old text nor its root.
+    weight: int = field(init=False)
 
-    @property
-    def weight(self) -> int:
-        """Bytes this entry keeps alive (for the memo's budget): its texts, and its root's."""
+    def __post_init__(self) -> None:
         own = len(self.data) + (sys.getsizeof(self.text) if self.text is not None else 0)
-        return own if self.root is None else own + self.root.weight  # (a root has no root of its own)
+        self.weight = own if self.root is None else own + self.root.weight  # (a root has no root of its own)
 
     @property
     def line_root(self) -> Scan:

@@ -305,3 +305,31 @@ def test_native_matcher_finds_what_the_regex_finds(words: str, request: pytest.F
             a, b = native.scan_text(text), regex.scan_text(text)
             assert (a.spans, a.tail, a.tail_from, a.kept_end, a.stable) == \
                    (b.spans, b.tail, b.tail_from, b.kept_end, b.stable), text
+
+
+def test_the_memo_counts_each_entry_once_by_its_fixed_weight(qwen3_path: Path) -> None:
+    """Scan.weight is fixed when the scan is made (its texts, plus its line root's), and the
+    memo's byte count is the sum of what it holds, through extensions, rewritten histories,
+    filing and eviction."""
+    import sys
+
+    path = qwen3_path / "tokenizer.json"
+    check = check_boundaries(path, TokenizersEncoder(path))
+    added = [str(t["content"]) for t in json.loads(path.read_text())["added_tokens"]]
+    scanner = BoundaryScanner(added, check.boundary_tokens, memo_bytes=400_000)
+    held = []
+    for conv in range(12):
+        text = f"<|im_start|>system\nchat {conv} 🙂 " + "y" * 3000 + "<|im_end|>\n"
+        for turn in range(6):
+            text += f"<|im_start|>user\nturn {turn} " + "z" * (900 + 37 * conv) + "<|im_end|>\n"
+            if turn == 4:  # a rewritten history: the same start, a different middle
+                text = text[:3100] + "<|im_start|>user\nrewritten<|im_end|>\n" + text[3100:]
+            scan = scanner.scan_text(text)
+            held.append(scan)
+            own = len(scan.data) + sys.getsizeof(scan.text)
+            assert scan.weight == own + (scan.root.weight if scan.root is not None else 0)
+            filed = list(scanner._recent) + [e for bucket in scanner._memo.values() for e in bucket]
+            assert len({id(e) for e in filed}) == len(filed)
+            assert scanner._bytes == sum(e.weight for e in filed) <= 400_000
+            assert scanner._root_bytes == sum(r.weight for r in scanner._roots)
+    assert any(s.root is not None for s in held) and any(s.root is None for s in held)
