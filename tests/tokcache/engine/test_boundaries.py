@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -311,8 +312,6 @@ def test_the_memo_counts_each_entry_once_by_its_fixed_weight(qwen3_path: Path) -
     """Scan.weight is fixed when the scan is made (its texts, plus its line root's), and the
     memo's byte count is the sum of what it holds, through extensions, rewritten histories,
     filing and eviction."""
-    import sys
-
     path = qwen3_path / "tokenizer.json"
     check = check_boundaries(path, TokenizersEncoder(path))
     added = [str(t["content"]) for t in json.loads(path.read_text())["added_tokens"]]
