@@ -10,11 +10,18 @@ import pytest
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from tokcache.engine import boundaries
-from tokcache.engine.boundaries import BoundaryScanner, check_boundaries
+from tokcache.engine.boundaries import BoundaryCheck, BoundaryScanner, check_boundaries
 from tokcache.engine.encoder import TokenizersEncoder
 
 CORPUS = ["hello world", "the quick brown fox", "word word words", "你好 世界", "12 34 56",
           "end. Start", "tabs\tand spaces  x", "newlines\n\nfoo"] * 20
+
+
+def _qwen3_parts(qwen3_path: Path) -> tuple[Path, BoundaryCheck, list[str]]:
+    """Qwen3's tokenizer.json, its boundary check, and its added tokens' contents."""
+    path = qwen3_path / "tokenizer.json"
+    added = [str(t["content"]) for t in json.loads(path.read_text())["added_tokens"]]
+    return path, check_boundaries(path, TokenizersEncoder(path)), added
 
 
 def _tokenizer(tmp_path: Path, pre: pre_tokenizers.PreTokenizer, added: list[AddedToken]) -> Path:
@@ -120,9 +127,7 @@ def test_a_rewritten_text_reuses_the_prefix_it_shares(qwen3_path: Path) -> None:
     scans only after it; the result equals a full scan, whatever the rewrite cuts through."""
     import random
 
-    path = qwen3_path / "tokenizer.json"
-    check = check_boundaries(path, TokenizersEncoder(path))
-    added = [str(t["content"]) for t in json.loads(path.read_text())["added_tokens"]]
+    path, check, added = _qwen3_parts(qwen3_path)
     fresh = BoundaryScanner(added, check.boundary_tokens, memo_bytes=0)
     rng = random.Random(11)
     parts = ["<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "x", " ", "\n", "<|im_",
@@ -153,9 +158,7 @@ def test_a_rewritten_history_extends_the_root_of_its_line(qwen3_path: Path) -> N
     from UTF-8 alike."""
     import random
 
-    path = qwen3_path / "tokenizer.json"
-    check = check_boundaries(path, TokenizersEncoder(path))
-    added = [str(t["content"]) for t in json.loads(path.read_text())["added_tokens"]]
+    path, check, added = _qwen3_parts(qwen3_path)
     fresh = BoundaryScanner(added, check.boundary_tokens, memo_bytes=0)
     rng = random.Random(13)
 
@@ -201,9 +204,7 @@ def test_a_rewritten_history_extends_the_root_of_its_line(qwen3_path: Path) -> N
 def test_roots_stay_within_the_memo_budget(qwen3_path: Path) -> None:
     """The latest roots are kept within a quarter of the memo's budget; a memo of no budget
     keeps none (and still scans right)."""
-    path = qwen3_path / "tokenizer.json"
-    check = check_boundaries(path, TokenizersEncoder(path))
-    added = [str(t["content"]) for t in json.loads(path.read_text())["added_tokens"]]
+    path, check, added = _qwen3_parts(qwen3_path)
     for budget in (0, 40_000):
         scanner = BoundaryScanner(added, check.boundary_tokens, memo_bytes=budget)
         for i in range(20):
@@ -312,9 +313,7 @@ def test_the_memo_counts_each_entry_once_by_its_fixed_weight(qwen3_path: Path) -
     """Scan.weight is fixed when the scan is made (its texts, plus its line root's), and the
     memo's byte count is the sum of what it holds, through extensions, rewritten histories,
     filing and eviction."""
-    path = qwen3_path / "tokenizer.json"
-    check = check_boundaries(path, TokenizersEncoder(path))
-    added = [str(t["content"]) for t in json.loads(path.read_text())["added_tokens"]]
+    path, check, added = _qwen3_parts(qwen3_path)
     scanner = BoundaryScanner(added, check.boundary_tokens, memo_bytes=400_000)
     held = []
     for conv in range(12):
