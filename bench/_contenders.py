@@ -165,6 +165,7 @@ class SmgContender(Contender):
         self._conn: http.client.HTTPConnection | None = None
         self.metrics_port = 0
         self.port = 0
+        self.reconnects = 0  # kept-alive connections SMG had closed, opened again (see _post)
 
     @staticmethod
     def ensure_installed() -> Path:
@@ -242,13 +243,26 @@ class SmgContender(Contender):
             self._conn = None
 
     def _post(self, body: bytes) -> bytes:
-        assert self._conn is not None
-        self._conn.request("POST", "/v1/tokenize", body=body, headers={"Content-Type": "application/json"})
-        resp = self._conn.getresponse()
+        try:
+            resp = self._send(body)
+        except (BrokenPipeError, ConnectionResetError, http.client.CannotSendRequest):
+            # SMG closes a keep-alive connection left idle for more than a minute or so (kept
+            # at 65 s, closed at 95 s, measured with 1.13), and the long mode computes its
+            # references between the ready check and the first turn: open a new one and send
+            # again, once, as an HTTP client's connection pool does. Counted.
+            self._drop_conn()
+            self._connect()
+            self.reconnects += 1
+            resp = self._send(body)
         data = resp.read()
         if resp.status != 200:
             raise RuntimeError(f"smg /v1/tokenize: HTTP {resp.status}: {data[:300]!r}")
         return data
+
+    def _send(self, body: bytes) -> http.client.HTTPResponse:
+        assert self._conn is not None
+        self._conn.request("POST", "/v1/tokenize", body=body, headers={"Content-Type": "application/json"})
+        return self._conn.getresponse()
 
     def encode(self, text: str) -> list[int]:
         body = json.dumps({"model": str(self._dir), "prompt": text}).encode()

@@ -607,6 +607,8 @@ def summarise(
             },
             "l1_reused_bytes": delta('smg_tokenizer_cache_reused_bytes_total{layer="l1"}'),
             "rss_growth_per_conversation": rss,
+            # Kept-alive connections SMG had closed while idle, opened again (in a timed call).
+            "reconnects": smg.reconnects,
             "metrics_first": first,
             "metrics_last": last,
         }
@@ -716,6 +718,8 @@ def print_report(r: dict[str, Any]) -> None:
             f"\nsmg: L1 lookups hit {l1['hit']:.0f} / miss {l1['miss']:.0f}"
             + (f" ({l1['hit'] / tot:.1%} hit)" if tot else "")
             + f"; L0 hit {s['l0_lookups']['hit']:.0f} (its metrics, whole run incl. floor calls)"
+            + (f"; {s['reconnects']} idle connection(s) it closed opened again, inside a timed call"
+               if s.get("reconnects") else "")
         )
         print(
             "  RSS growth per conversation (VmRSS, page-granular, includes allocator slack): "
