@@ -791,19 +791,29 @@ def test_a_request_still_being_served_is_no_pause(sidecar: tuple[SidecarProcess,
     wait tens of ms at a time) has not paused: the write-behind thread leaves the bookkeeping of
     the read before it queued until the request ended (before, it took each such wait for a
     pause and took the GIL from the request), then settles it on its own."""
-    import time
-
     proc, _ = sidecar
     ref = tokenizers.Tokenizer.from_file(str(qwen3_path / "tokenizer.json"))
     text = _agent_turns(2, 950)[-1]
+    want = ref.encode(text, add_special_tokens=False).ids
     with SidecarClient(proc.address) as c:
         local = _opened(c)
         assert c.flush(5)
         writer = local.writer
-        assert c.tokenize("qwen3", text=text, add_special_tokens=False).token_ids == \
-            ref.encode(text, add_special_tokens=False).ids
-        assert local.settler.pending  # settled by the next request, or by the thread at a pause
-        writer.note_request()  # the next request begins, and its process waits for a core
+        # From the read's end to the next request's start there is no pause, however this
+        # process is scheduled: with a switch interval of seconds the write-behind thread gets
+        # no GIL in between (this thread blocks on nothing there). Before, a stall of this
+        # thread longer than HEADS_QUIET_S (2 ms) on a busy CI machine was a pause, and the
+        # thread settled the read before the first assertion below.
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(5.0)
+        try:
+            got = c.tokenize("qwen3", text=text, add_special_tokens=False).token_ids
+            pending = local.settler.pending  # settled by the next request, or by the thread at a pause
+            writer.note_request()  # the next request begins, and its process waits for a core
+        finally:
+            sys.setswitchinterval(interval)
+        assert got == want
+        assert pending
         stall = time.monotonic() + 0.3  # three times the longest the thread sleeps (WRITER_TICK_S)
         while time.monotonic() < stall:
             assert local.settler.pending
