@@ -8,6 +8,7 @@ import http.server
 import json
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -32,28 +33,28 @@ class _ClosesAfterEachResponse(http.server.BaseHTTPRequestHandler):
         pass
 
 
-@pytest.fixture
-def server() -> Iterator[http.server.ThreadingHTTPServer]:
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _ClosesAfterEachResponse)
-    thread = threading.Thread(target=srv.serve_forever, daemon=True)
-    thread.start()
-    yield srv
-    srv.shutdown()
-    srv.server_close()
-
-
-def test_a_connection_the_server_closed_is_opened_again_once_and_counted(
-        server: http.server.ThreadingHTTPServer, tmp_path: Path) -> None:
+@contextmanager
+def _client_of(handler: type[http.server.BaseHTTPRequestHandler], tmp_path: Path) -> Iterator[SmgContender]:
+    """The benchmark's SMG client, connected to a real server on a loopback port running ``handler``."""
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
     smg = SmgContender(tmp_path, tmp_path)
-    smg.port = server.server_address[1]
+    smg.port = srv.server_address[1]
     smg._connect()
     try:
+        yield smg
+    finally:
+        smg._drop_conn()
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_a_connection_the_server_closed_is_opened_again_once_and_counted(tmp_path: Path) -> None:
+    with _client_of(_ClosesAfterEachResponse, tmp_path) as smg:
         assert smg.encode("abc") == [3] and smg.reconnects == 0
         for n in range(1, 4):  # every later call finds its connection closed
             assert smg.encode("x" * n) == [n]
             assert smg.reconnects == n
-    finally:
-        smg._drop_conn()
 
 
 def test_an_http_error_is_not_retried(tmp_path: Path) -> None:
@@ -66,16 +67,7 @@ def test_an_http_error_is_not_retried(tmp_path: Path) -> None:
             self.send_header("Content-Length", "0")
             self.end_headers()
 
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Refuses)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    smg = SmgContender(tmp_path, tmp_path)
-    smg.port = srv.server_address[1]
-    smg._connect()
-    try:
+    with _client_of(Refuses, tmp_path) as smg:
         with pytest.raises(RuntimeError, match="HTTP 413"):
             smg.encode("abc")
         assert smg.reconnects == 0
-    finally:
-        smg._drop_conn()
-        srv.shutdown()
-        srv.server_close()
