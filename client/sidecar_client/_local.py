@@ -38,7 +38,7 @@ from typing import Any, NamedTuple
 from sidecar_client._models import CacheDecision, TokenizeResult
 from sidecar_client._telemetry import trace_local
 from sidecar_client.errors import InvalidArgumentError, ResourceExhaustedError
-from tokcache.engine.boundaries import extends
+from tokcache.engine.boundaries import extended
 from tokcache.engine.errors import InvalidRequest, RequestTooLarge
 from tokcache.engine.heads import Heads, Ready
 from tokcache.engine.ids import LISTS, Chunks
@@ -56,6 +56,16 @@ log = logging.getLogger("sidecar_client.local")
 
 RECHECK_S = 1.0  # how often a mapping is checked against the name (replaced?) and the manifest
 WRITE_QUEUE = 256  # pending writes a process holds at most; more are dropped (counted)
+# Past this many queued writes a request that stores its previous turn's also stores the
+# oldest queued one. A process under sustained load never pauses, and its background thread
+# then stores next to nothing: it gets the GIL mostly while a request is storing a write (the
+# writer lock and fallocate release it), finds that store in progress, and waits a tick. So
+# the writes no later request of the process extends (a conversation's latest turn, whose next
+# turn comes once the model answered, maybe to another process) piled up to WRITE_QUEUE and
+# were dropped past it, and every request compared its text with each of them (512
+# conversations replayed back to back by one process: 78 µs of a 240 µs request). Stored here,
+# they cost what the thread's store would, without its GIL hand-offs.
+QUEUE_SOFT = 8
 WAIT_RELATED_S = 0.05  # how long a request waits for its conversation's pending write
 INLINE_LOCK_S = 0.01  # how long a request storing its previous turn's write waits for the writer lock
 # The background writer looks for writes every tick while offers come (a process storing
@@ -162,13 +172,6 @@ class _Pending:
     salt: str
     mode: str
     state: int = 0
-
-    def extended_by(self, text: str) -> bool:
-        """Whether ``text`` starts with this write's text, its end compared first (boundaries.extends).
-        Every request asks it of every queued write: those no later text extends (a conversation's
-        last turn, the turn before a rewritten history) wait for the background thread, which under
-        back-to-back requests comes every WRITER_TICK_S (~10 queued in a 57 KB replay)."""
-        return extends(text, self.text)
 
 
 HandOff = Callable[["PendingWrite[Chunks] | None", "Ready[Chunks] | None", str, str, str], None]
@@ -384,28 +387,32 @@ class WriteBehind:
         """Read your writes: store now, in this thread, the pending writes whose text is a
         prefix of ``text`` — the previous turns of this conversation, whose entries the
         lookup is about to search for — waiting (at most ``timeout``) for one being stored.
-        Unrelated requests do nothing. False on timeout."""
+        Unrelated requests do nothing, unless more than QUEUE_SOFT writes are queued: then
+        the oldest one is stored too, if no other thread is storing one. False on timeout."""
         if not self._items:
             return True
         deadline = time.monotonic() + timeout
         while (got := self._store_next(text, deadline)) is True:
             pass
+        if len(self._items) > QUEUE_SOFT:
+            self._store_next(None, None, wait=False)
         return got is None
 
-    def _store_next(self, text: str | None, deadline: float | None) -> bool | None:
+    def _store_next(self, text: str | None, deadline: float | None, *, wait: bool = True) -> bool | None:
         """Store the oldest queued write (whose text is a prefix of ``text``, if given) in
         this thread: True when one was stored, None when there is none (and, with ``text``,
-        none related is being stored), False on timeout.
+        none related is being stored; without ``wait``: none can be taken now), False on timeout.
 
         One write is stored at a time, oldest first: a conversation's writes land in the
         order offered, whoever stores them (each chains to the one before)."""
         with self._lock:
             while True:
-                related = self._items if text is None else [i for i in self._items if i.extended_by(text)]
+                items = self._items
+                related = items if text is None else [items[k] for k in extended(text, items, "text")]
                 item = next((i for i in related if i.state == 0), None)
                 if item is not None and not self._busy:
                     break
-                if not related:
+                if not related or not wait:
                     return None
                 if not self._done.wait(_left(deadline)):
                     return False

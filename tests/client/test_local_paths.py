@@ -71,7 +71,8 @@ def test_a_claimed_open_that_cannot_run_gives_its_claim_back(qwen3_path: Path) -
     ("s" * 40 + "🛠️ end", "s" * 40 + "🛠️ enD\n"),
 ])
 def test_a_queued_write_is_related_exactly_when_the_text_extends_it(queued: str, text: str) -> None:
-    """_Pending.extended_by (which compares the text's last characters first) answers what
-    ``text.startswith(queued)`` answers: a request stores inline exactly its own turns' writes."""
+    """The write-behind's related writes (boundaries.extended over the queue, which compares each
+    text's last character first) are those ``text.startswith(queued)`` says: a request stores
+    inline exactly its own turns' writes."""
     pending = _local._Pending(None, queued, "", "kv-stable")  # type: ignore[arg-type]
-    assert pending.extended_by(text) is text.startswith(queued)
+    assert _local.extended(text, [pending], "text") == ([0] if text.startswith(queued) else [])

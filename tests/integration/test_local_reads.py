@@ -606,6 +606,40 @@ def test_the_next_turn_stores_the_previous_turns_write_in_its_own_thread(
         assert c.flush(5)
 
 
+def test_writes_no_later_turn_extends_do_not_pile_up_under_load(
+        sidecar: tuple[SidecarProcess, int], qwen3_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Back to back, a process never pauses and its background thread stores next to nothing; the
+    writes no later request of the process extends (here: every one, each request a new
+    conversation's first turn) are stored by the requests once more than QUEUE_SOFT are queued, so
+    the queue stays short (each request compares its text with every queued one) and none is
+    dropped. Before, they piled up until the queue was full. (The background thread is kept
+    away: it looks once a minute here.)"""
+    from sidecar_client import _local
+
+    proc, _ = sidecar
+    ref = tokenizers.Tokenizer.from_file(str(qwen3_path / "tokenizer.json"))
+    monkeypatch.setattr(_local, "WRITER_TICK_S", 60.0)
+    first = _agent_turns(1, 600)[0]
+    texts = [f"<|im_start|>system\nAgent {k}.<|im_end|>\n" + first for k in range(3 * _local.QUEUE_SOFT)]
+    with SidecarClient(proc.address, min_write_bytes=0) as c:
+        while c.tokenize("qwen3", text="warm up").served_by != "local":
+            pass
+        c.tokenize("qwen3", text="warm up: start the background thread")
+        assert c.flush(5)
+        time.sleep(0.5)
+        local = c._local.get("qwen3") if c._local is not None else None
+        assert local is not None
+        queued = []
+        for t in texts:
+            r = c.tokenize("qwen3", text=t, add_special_tokens=False)
+            assert r.token_ids == ref.encode(t, add_special_tokens=False).ids
+            queued.append(len(local.writer._items))
+        assert max(queued) <= _local.QUEUE_SOFT + 1, queued
+        assert c.flush(5)
+        writes = c.stats()["writes"]
+        assert writes["stored"] >= len(texts) and "dropped" not in writes, writes
+
+
 def test_a_short_uncached_tail_stores_nothing_and_costs_no_re_encoding(
         sidecar: tuple[SidecarProcess, int], qwen3_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """min_write_bytes: a read whose uncached tail is shorter stores nothing, so the next turns
