@@ -854,10 +854,12 @@ static PyObject *py_extended(PyObject *self, PyObject *args) {
     Py_ssize_t n = PyUnicode_GET_LENGTH(text);
     int kind = PyUnicode_KIND(text);
     const void *data = PyUnicode_DATA(text);
-    /* No Python code runs in the loop (slot attributes, str compares): ``items`` cannot change
-     * under it, but its length is read each step all the same. */
+    /* An attribute lookup may run Python code (a property) that changes ``items``: each item is
+     * held while its attribute is read, and the length is read again at every step. */
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(items); i++) {
-        PyObject *old = PyObject_GetAttr(PyList_GET_ITEM(items, i), name);
+        PyObject *item = Py_NewRef(PyList_GET_ITEM(items, i));
+        PyObject *old = PyObject_GetAttr(item, name);
+        Py_DECREF(item);
         if (!old) goto fail;
         if (!PyUnicode_Check(old)) {
             PyErr_Format(PyExc_TypeError, "extended: item %zd's %U is %.200s, not str", i, name, Py_TYPE(old)->tp_name);

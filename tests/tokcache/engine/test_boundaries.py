@@ -260,6 +260,20 @@ def test_extended_native_equals_reference() -> None:
         with pytest.raises(TypeError, match="not str"):
             fn("abc", [SimpleNamespace(text=b"ab")], "text")
 
+    class Clearing:  # an attribute whose lookup empties the list being walked
+        def __init__(self, items: list[object]) -> None:
+            self.items = items
+
+        @property
+        def text(self) -> str:
+            self.items.clear()
+            return "a"
+
+    for fn in fns:
+        items: list[object] = []
+        items += [Clearing(items), SimpleNamespace(text="a"), SimpleNamespace(text="ab")]
+        assert fn("abc", items, "text") == [0]
+
 
 def test_scan_memo_tells_conversations_apart(qwen3_path: Path) -> None:
     """Many conversations of one agent share a long system prompt; each turn still finds its
