@@ -555,6 +555,16 @@ def _opened(c: SidecarClient) -> LocalModel:
     return local
 
 
+def _opened_with_writer(c: SidecarClient) -> LocalModel:
+    """:func:`_opened`, then the background thread started by a first write and waiting for its next
+    look (a test that sets WRITER_TICK_S to a minute keeps it away from what follows)."""
+    local = _opened(c)
+    c.tokenize("qwen3", text="warm up: start the background thread")
+    assert c.flush(5)
+    time.sleep(0.5)
+    return local
+
+
 def _agent_turns(turns: int, size: int) -> list[str]:
     """A conversation whose turns each append ~``size`` bytes (an answer and a tool result)."""
     text, out = "<|im_start|>system\nYou are an agent.<|im_end|>\n", []
@@ -572,7 +582,6 @@ def test_the_next_turn_stores_the_previous_turns_write_in_its_own_thread(
     caller's thread, before its lookup: that lookup then finds it (read your writes) with no
     thread switch. (The background thread is kept away: it would look only once a minute.)"""
     import threading
-    import time
 
     from sidecar_client import _local
 
@@ -589,13 +598,7 @@ def test_the_next_turn_stores_the_previous_turns_write_in_its_own_thread(
     monkeypatch.setattr(_local, "commit", commit)
     texts = _agent_turns(6, 900)
     with SidecarClient(proc.address, min_write_bytes=0) as c:
-        while c.tokenize("qwen3", text="warm up").served_by != "local":
-            pass
-        # The first write offered starts the background thread (which may store it); once it has
-        # run, it waits for its next look (a minute away here).
-        c.tokenize("qwen3", text="warm up: start the background thread")
-        assert c.flush(5)
-        time.sleep(0.5)
+        _opened_with_writer(c)
         stored_by.clear()
         results = [c.tokenize("qwen3", text=t, add_special_tokens=False) for t in texts]
         assert [r.token_ids for r in results] == [ref.encode(t, add_special_tokens=False).ids for t in texts]
@@ -622,13 +625,7 @@ def test_writes_no_later_turn_extends_do_not_pile_up_under_load(
     first = _agent_turns(1, 600)[0]
     texts = [f"<|im_start|>system\nAgent {k}.<|im_end|>\n" + first for k in range(3 * _local.QUEUE_SOFT)]
     with SidecarClient(proc.address, min_write_bytes=0) as c:
-        while c.tokenize("qwen3", text="warm up").served_by != "local":
-            pass
-        c.tokenize("qwen3", text="warm up: start the background thread")
-        assert c.flush(5)
-        time.sleep(0.5)
-        local = c._local.get("qwen3") if c._local is not None else None
-        assert local is not None
+        local = _opened_with_writer(c)
         queued = []
         for t in texts:
             r = c.tokenize("qwen3", text=t, add_special_tokens=False)
