@@ -817,6 +817,53 @@ def test_the_background_thread_looks_rarely_while_requests_keep_coming(
         assert not local.settler.pending and not local.lookup.heads.pending
 
 
+def test_paced_requests_are_settled_in_the_pause_after_each_and_back_to_back_ones_wake_nothing(
+        sidecar: tuple[SidecarProcess, int], qwen3_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Requests a few tens of ms apart, nobody flushing: once the write-behind thread settled one
+    read in a pause, each request wakes it, and it settles that request's read in the pause after
+    it rather than leaving it to the next request (before, a thread not parked looked only at its
+    tick, and most reads were settled inline by the next request). Here the tick is a minute, so
+    only the wake can settle them. Back to back, a request that finds its predecessor unsettled
+    settles it and the requests after wake the thread no more."""
+    from sidecar_client import _local
+
+    proc, _ = sidecar
+    ref = tokenizers.Tokenizer.from_file(str(qwen3_path / "tokenizer.json"))
+    texts = _agent_turns(8, 700)
+    want = {t: ref.encode(t, add_special_tokens=False).ids for t in texts}
+
+    def settled_within(local: LocalModel, seconds: float) -> bool:
+        deadline = time.monotonic() + seconds
+        while local.settler.pending and time.monotonic() < deadline:
+            time.sleep(0.002)
+        return not local.settler.pending
+
+    with SidecarClient(proc.address) as c:
+        monkeypatch.setattr(_local, "WRITER_TICK_S", 0.05)
+        local = _opened_with_writer(c)
+        assert c.tokenize("qwen3", text=texts[0], add_special_tokens=False).token_ids == want[texts[0]]
+        assert settled_within(local, 5)  # by the thread's own look (its tick): a pause found
+        monkeypatch.setattr(_local, "WRITER_TICK_S", 60.0)
+        time.sleep(0.3)  # the thread's next wait is a minute long
+        for text in texts[1:5]:
+            assert c.tokenize("qwen3", text=text, add_special_tokens=False).token_ids == want[text]
+            assert settled_within(local, 5), "a paced request's read was left for the next request"
+        notified = []
+        work = local.writer._work
+        monkeypatch.setattr(work, "notify", lambda n=1: (notified.append(n), type(work).notify(work, n))[1])
+        # Back to back: the second request finds the first unsettled. (With a switch interval of
+        # seconds the thread gets no GIL between two requests, however this process is scheduled.)
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(5.0)
+        try:
+            got = [c.tokenize("qwen3", text=text, add_special_tokens=False).token_ids for text in texts[5:]]
+        finally:
+            sys.setswitchinterval(interval)
+        assert got == [want[t] for t in texts[5:]]
+        assert len(notified) <= 1, notified  # the first request's wake only
+        assert c.flush(5)
+
+
 def test_a_request_still_being_served_is_no_pause(sidecar: tuple[SidecarProcess, int], qwen3_path: Path) -> None:
     """A process that waits for a core in the middle of a request (16 busy processes on 2 cores
     wait tens of ms at a time) has not paused: the write-behind thread leaves the bookkeeping of
