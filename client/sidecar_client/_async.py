@@ -100,14 +100,19 @@ class AsyncSidecarClient:
                 return None
             else:
                 await asyncio.shield(opening)
+        try:  # the common case first: no recorded output on its way, no wait made
+            return local.tokenize(model, text, add_special_tokens=add_special_tokens, cache_salt=cache_salt,
+                                  mode=mode, trace=trace, may_wait=True)
+        except RecordPending:  # an output this text continues is on its way to the sidecar
+            pass
         wait = PendingWait()
         while True:
+            await asyncio.sleep(wait.poll())
             may_wait = wait.open
             try:
                 out = local.tokenize(model, text, add_special_tokens=add_special_tokens, cache_salt=cache_salt,
                                      mode=mode, trace=trace, may_wait=may_wait)
-            except RecordPending:  # an output this text continues is on its way to the sidecar
-                await asyncio.sleep(wait.poll())
+            except RecordPending:
                 continue
             outcome = wait.outcome(may_wait)
             if outcome is not None:

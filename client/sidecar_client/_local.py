@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from sidecar_client._models import CacheDecision, TokenizeResult
+from sidecar_client._models import TokenizeResult, local_result
 from sidecar_client._telemetry import trace_local
 from sidecar_client.errors import InvalidArgumentError, ResourceExhaustedError
 from tokcache.engine.boundaries import extended
@@ -999,10 +999,8 @@ class LocalPaths:
             return None
         d = result.decision
         self.stats.tokenize[d.source] += 1
-        out = TokenizeResult(result.ids, local.fingerprint,
-                             CacheDecision(d.source, d.cached_tokens, d.cached_chars, d.encoded_chars,
-                                           d.ar_spliced_tokens, d.boundaries, d.l1_disabled_reason),
-                             local.backend, None, "local")
+        out = local_result(result.ids, local.fingerprint, local.backend, d.source, d.cached_tokens, d.cached_chars,
+                           d.encoded_chars, d.ar_spliced_tokens, d.boundaries, d.l1_disabled_reason)
         trace_local(model, local.fingerprint, out, mode, bool(cache_salt), t0, trace)
         return out
 

@@ -75,14 +75,19 @@ class SidecarClient:
                 local.set_models(self.list_models())
             except TokcacheError:
                 pass  # the RPC path reports it
+        try:  # the common case first: no recorded output on its way, no wait made
+            return local.tokenize(model, text, add_special_tokens=add_special_tokens, cache_salt=cache_salt,
+                                  mode=mode, trace=self._metadata, may_wait=True)
+        except RecordPending:  # an output this text continues is on its way to the sidecar
+            pass
         wait = PendingWait()
         while True:
+            time.sleep(wait.poll())
             may_wait = wait.open
             try:
                 out = local.tokenize(model, text, add_special_tokens=add_special_tokens, cache_salt=cache_salt,
                                      mode=mode, trace=self._metadata, may_wait=may_wait)
-            except RecordPending:  # an output this text continues is on its way to the sidecar
-                time.sleep(wait.poll())
+            except RecordPending:
                 continue
             outcome = wait.outcome(may_wait)
             if outcome is not None:
