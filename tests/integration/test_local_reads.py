@@ -8,6 +8,7 @@ not move while the client reads locally).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import os
@@ -565,6 +566,19 @@ def _opened_with_writer(c: SidecarClient) -> LocalModel:
     return local
 
 
+@contextlib.contextmanager
+def _no_thread_switches() -> Iterator[None]:
+    """A switch interval of seconds: another thread of this process (the write-behind's) gets the
+    GIL only where this one blocks or releases it, not between two of its statements, however
+    the process is scheduled."""
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(5.0)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(interval)
+
+
 def _agent_turns(turns: int, size: int) -> list[str]:
     """A conversation whose turns each append ~``size`` bytes (an answer and a tool result)."""
     text, out = "<|im_start|>system\nYou are an agent.<|im_end|>\n", []
@@ -851,14 +865,10 @@ def test_paced_requests_are_settled_in_the_pause_after_each_and_back_to_back_one
         notified = []
         work = local.writer._work
         monkeypatch.setattr(work, "notify", lambda n=1: (notified.append(n), type(work).notify(work, n))[1])
-        # Back to back: the second request finds the first unsettled. (With a switch interval of
-        # seconds the thread gets no GIL between two requests, however this process is scheduled.)
-        interval = sys.getswitchinterval()
-        sys.setswitchinterval(5.0)
-        try:
+        # Back to back: the second request finds the first unsettled, however this process is
+        # scheduled (see _no_thread_switches).
+        with _no_thread_switches():
             got = [c.tokenize("qwen3", text=text, add_special_tokens=False).token_ids for text in texts[5:]]
-        finally:
-            sys.setswitchinterval(interval)
         assert got == [want[t] for t in texts[5:]]
         assert len(notified) <= 1, notified  # the first request's wake only
         assert c.flush(5)
@@ -882,14 +892,10 @@ def test_a_request_still_being_served_is_no_pause(sidecar: tuple[SidecarProcess,
         # no GIL in between (this thread blocks on nothing there). Before, a stall of this
         # thread longer than HEADS_QUIET_S (2 ms) on a busy CI machine was a pause, and the
         # thread settled the read before the first assertion below.
-        interval = sys.getswitchinterval()
-        sys.setswitchinterval(5.0)
-        try:
+        with _no_thread_switches():
             got = c.tokenize("qwen3", text=text, add_special_tokens=False).token_ids
             pending = local.settler.pending  # settled by the next request, or by the thread at a pause
             writer.note_request()  # the next request begins, and its process waits for a core
-        finally:
-            sys.setswitchinterval(interval)
         assert got == want
         assert pending
         stall = time.monotonic() + 0.3  # three times the longest the thread sleeps (WRITER_TICK_S)
