@@ -159,3 +159,24 @@ def test_concurrency_deals_the_same_conversations_at_every_p() -> None:
     assert parse_args([]).conversations == 0  # --passes, as before
     with pytest.raises(SystemExit):
         parse_args(["--procs", "1,16", "--conversations", "8"])
+
+
+@pytest.mark.skipif(_sidecar_missing() is not None, reason=str(_sidecar_missing()))
+def test_cold_read_quick_run_reads_in_process_with_exact_ids(tmp_path: Path) -> None:
+    """bench/cold_read.py: every read after each warm-up answered in this process, its ids the
+    reference's, a figure per variant and the contenders alongside."""
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "cold_read.py"), "--quick", "--check", "1", "--thrash-mib", "2",
+         "--out-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=180, cwd=REPO,
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    result = json.loads((tmp_path / "cold_read.json").read_text())
+    assert result["checked"] == 10 and result["mismatches"] == 0 and result["rpc_reads"] == 0
+    variants = result["variants"]
+    assert set(variants) == {"cold", "encoder", "python", "lookup", "client", "direct"}
+    assert sum(v["n"] for v in variants.values()) == 9  # turns >= 2
+    assert all(s > 0 for v in variants.values() for s in v["samples_us"])
+    assert sum(result["sources"].values()) == 9 and result["sources"].get("l1", 0) >= 6, result["sources"]
+    assert all(v["p50_us"] and v["p50_us"] > 0 for v in result["alongside"].values())
+    assert (tmp_path / "cold_read.png").stat().st_size > 0
