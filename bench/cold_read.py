@@ -43,6 +43,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from _contenders import TOKCACHE_MODEL, ContenderUnavailable, TokcacheContender  # noqa: E402
+from _plot import pyplot  # noqa: E402
 
 VARIANTS = ("cold", "encoder", "python", "lookup", "client", "direct")
 
@@ -103,6 +104,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if local is None:
                 raise ContenderUnavailable("the client's in-process read did not open")
             lookup, encoder = local.lookup, local.lookup.model.encoder
+            mode = client._local.default_mode(TOKCACHE_MODEL)  # what the client's reads use
             junk = bytearray(args.thrash_mib << 20)
 
             def thrash() -> None:
@@ -125,14 +127,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     elif variant == "python":
                         _python_work()
                     elif variant == "lookup":
-                        lookup.tokenize("y" * 50, add_special_tokens=False, mode="kv-stable")
+                        lookup.tokenize("y" * 50, add_special_tokens=False, mode=mode)
                     elif variant == "client":
                         client.tokenize(TOKCACHE_MODEL, text="z" * 50, add_special_tokens=False)
                     client.flush()
                     gc.disable()
                     t0 = time.perf_counter_ns()
                     if variant == "direct":
-                        result = lookup.tokenize(text, add_special_tokens=False, mode="kv-stable")
+                        result = lookup.tokenize(text, add_special_tokens=False, mode=mode)
                         t1 = time.perf_counter_ns()
                         ids, source = result.ids, result.decision.source
                     else:
@@ -143,7 +145,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             rpc += 1
                     gc.enable()
                     if variant == "direct" and result.later is not None:
-                        local.settler.add(result.later, text, "", "kv-stable")  # as the client files it
+                        local.settler.add(result.later, text, "", mode)  # as the client files it
                     client.flush()
                     reads += 1
                     if reads % args.check == 0 and list(ids) != ref.encode(text, add_special_tokens=False).ids:
@@ -202,13 +204,8 @@ def report(r: dict[str, Any]) -> None:
 
 
 def plot(r: dict[str, Any], path: Path) -> Path | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot (pip install matplotlib)", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return None
     names = [k for k, v in r["variants"].items() if v["p50_us"] is not None]
     names += [k for k, v in r["alongside"].items() if v["p50_us"] is not None]

@@ -80,6 +80,7 @@ from _contenders import (  # noqa: E402
     TokcacheFloor,
     TokenizersContender,
 )
+from _plot import pyplot  # noqa: E402
 
 SHM_TARGET_BYTES = 128 * 1024
 SEGMENT_CACHE_BYTES = 64 << 20
@@ -735,13 +736,8 @@ def print_report(r: dict[str, Any]) -> None:
 
 
 def plot(r: dict[str, Any], path: Path) -> Path | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot (pip install matplotlib)", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return None
     fig, ax = plt.subplots(figsize=(10, 6))
     turns = list(range(1, r["config"]["turns"] + 1))
