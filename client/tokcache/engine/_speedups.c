@@ -303,10 +303,15 @@ static PyTypeObject MatcherType = {
 /* Python path then serves from the start. Same inputs, same outputs: the tests run   */
 /* both on the same histories and compare.                                            */
 
-static PyObject *s_text, *s_data, *s_spans, *s_stable, *s_tail_from, *s_kept_end, *s_hashers, *s_copy, *s_update,
-    *s_digest, *s_move_to_end, *i_16, *b_l0_suffix, *b_ar_suffix;
+static PyObject *s_text, *s_data, *s_spans, *s_stable, *s_tail_from, *s_kept_end, *s_hashers, *s_move_to_end;
 
+#include "_hasher.h"
 #include "_index.h"
+
+/* The store extension's Hasher (its capsule, imported at init): key states are its objects,
+ * hashed on here in their state, no call into a binding. NULL when that extension is not
+ * built or of another version: extend then says None (the Python path serves). */
+static const TkHasherAPI *hasher_api;
 
 static int as_ssize(PyObject *o, Py_ssize_t *out) {
     *out = PyLong_AsSsize_t(o);
@@ -324,25 +329,24 @@ static int span_at(PyObject *spans, Py_ssize_t i, Py_ssize_t *start, Py_ssize_t 
     return as_ssize(PyTuple_GET_ITEM(t, 1), end);
 }
 
-/* blake3's binding lets go of the GIL for an update of 2048 bytes or more (as hashlib does),
- * and getting it back waits for whichever thread took it meanwhile, the write-behind's, or
- * any other of the caller's, for up to the interpreter's switch interval (5 ms); a write's
- * record check took 220 us on average that way (~10 alone). Pieces below that stay under the
- * GIL (tokcache.store._hash.GIL_PIECE is the same bound). */
-#define TK_GIL_PIECE 2047
+/* Feed data[a:b] (bytes) to a hasher state. */
+static inline void feed(blake3_hasher *h, PyObject *data, Py_ssize_t a, Py_ssize_t b) {
+    if (b > a) hasher_api->update(h, PyBytes_AS_STRING(data) + a, (size_t)(b - a));
+}
 
-static int feed(PyObject *h, PyObject *data, Py_ssize_t a, Py_ssize_t b) {
-    while (a < b) {
-        Py_ssize_t e = b - a > TK_GIL_PIECE ? a + TK_GIL_PIECE : b;
-        PyObject *mv = PyMemoryView_FromMemory(PyBytes_AS_STRING(data) + a, e - a, PyBUF_READ);
-        if (!mv) return -1;
-        PyObject *r = PyObject_CallMethodOneArg(h, s_update, mv);
-        Py_DECREF(mv);
-        if (!r) return -1;
-        Py_DECREF(r);
-        a = e;
+/* A key: the first 16 bytes of the digest of ``h``, after ``suffix`` (n bytes) if any;
+ * ``h`` itself is unchanged. */
+static PyObject *key_of(const blake3_hasher *h, const char *suffix, size_t n) {
+    PyObject *k = PyBytes_FromStringAndSize(NULL, TK_KEY_SIZE);
+    if (!k) return NULL;
+    if (n) {
+        blake3_hasher t = *h;
+        hasher_api->update(&t, suffix, n);
+        hasher_api->finalize(&t, (uint8_t *)PyBytes_AS_STRING(k), TK_KEY_SIZE);
+    } else {
+        hasher_api->finalize(h, (uint8_t *)PyBytes_AS_STRING(k), TK_KEY_SIZE);
     }
-    return 0;
+    return k;
 }
 
 /* The set bits of x (SWAR: __builtin_popcountll is a libgcc call unless built for a CPU with popcnt). */
@@ -407,8 +411,10 @@ static PyObject *py_extend(PyObject *self, PyObject *args) {
 
     PyObject *result = NULL, *snapshot = NULL, *base = NULL, *old = NULL, *hashers = NULL, *sub = NULL,
              *added = NULL, *base_data = NULL, *data = NULL, *base_spans = NULL, *spans = NULL, *tail_list = NULL,
-             *keyed = NULL, *keys = NULL, *h = NULL, *state = NULL, *exact = NULL, *ident = NULL, *entry = NULL,
-             *st = NULL, *ar_keys = NULL, *ah = NULL;
+             *keyed = NULL, *keys = NULL, *state = NULL, *exact = NULL, *ident = NULL, *entry = NULL,
+             *st = NULL, *ar_keys = NULL;
+    /* Hasher states on the stack (plain data, ~2 KB each): the key pass, the AR keys'. */
+    blake3_hasher hs, as;
     Py_buffer view;
     int have_view = 0;
 
@@ -449,6 +455,9 @@ static PyObject *py_extend(PyObject *self, PyObject *args) {
     if (as_ssize(PyTuple_GET_ITEM(st, 0), &r_cut) < 0) goto fail;
     PyObject *r_hasher = PyTuple_GET_ITEM(st, 1), *r_l1 = PyTuple_GET_ITEM(st, 2), *r_ar = PyTuple_GET_ITEM(st, 3),
              *r_keyed = PyTuple_GET_ITEM(st, 4);
+    /* (None: a state cut back, rebuilt by the Python path; a blake3-package hasher: a build
+     * without the store extension's Hasher) */
+    if (!hasher_api || Py_TYPE(r_hasher) != hasher_api->type) goto none;
 
     /* 3. The text as UTF-8: the base's bytes, then the appended part's. A lone surrogate is
      * the Python path's to report (with its index in the whole text). */
@@ -525,8 +534,7 @@ static PyObject *py_extend(PyObject *self, PyObject *args) {
      * stable cut, the whole text (L0). */
     Py_ssize_t last = stable - 1, r_off, keep_at, tmp;
     if (span_at(spans, r_cut, &tmp, &r_off) < 0 || span_at(spans, last, &tmp, &keep_at) < 0) goto fail;
-    h = PyObject_CallMethodNoArgs(r_hasher, s_copy);
-    if (!h) goto fail;
+    hs = ((TkHasher *)r_hasher)->state;
     Py_ssize_t start = r_off, q = p;
     int keep_done = last == r_cut;
     if (keep_done) state = Py_NewRef(r_hasher);
@@ -537,27 +545,22 @@ static PyObject *py_extend(PyObject *self, PyObject *args) {
             if (as_ssize(PyList_GET_ITEM(keyed, q), &ci) < 0 || span_at(spans, ci, &si, &end_q) < 0) goto fail;
         }
         if (!keep_done && (q >= nk || keep_at <= end_q)) {
-            if (feed(h, data, start, keep_at) < 0) goto fail;
+            feed(&hs, data, start, keep_at);
             if (keep_at > start) start = keep_at;
-            state = PyObject_CallMethodNoArgs(h, s_copy);
+            state = (PyObject *)hasher_api->wrap(&hs);
             if (!state) goto fail;
             keep_done = 1;
             continue;
         }
-        if (feed(h, data, start, end_q) < 0) goto fail;
+        feed(&hs, data, start, end_q);
         if (end_q > start) start = end_q;
-        PyObject *k = PyObject_CallMethodOneArg(h, s_digest, i_16);
+        PyObject *k = key_of(&hs, NULL, 0);
         if (!k) goto fail;
         PyList_SetItem(keys, q, k); /* steals k; replaces None */
         q++;
     }
-    if (feed(h, data, start, total) < 0) goto fail;
-    {
-        PyObject *u = PyObject_CallMethodOneArg(h, s_update, b_l0_suffix);
-        if (!u) goto fail;
-        Py_DECREF(u);
-    }
-    exact = PyObject_CallMethodOneArg(h, s_digest, i_16);
+    feed(&hs, data, start, total);
+    exact = key_of(&hs, "\xffL0", 3); /* (tokcache.store.keys: _L0_SUFFIX) */
     if (!exact) goto fail;
 
     /* 7. Probes: the whole text (an L0 entry is the Python path's to read), then the window
@@ -661,19 +664,14 @@ static PyObject *py_extend(PyObject *self, PyObject *args) {
             PyList_SetItem(ar_keys, i, Py_NewRef(k));
         }
         if (i < n) {
-            ah = PyObject_CallMethodNoArgs(r_hasher, s_copy);
-            if (!ah) goto fail;
+            as = ((TkHasher *)r_hasher)->state;
             Py_ssize_t from = r_off;
             for (; i < n; i++) {
                 Py_ssize_t si, ei;
-                if (span_at(spans, i, &si, &ei) < 0 || feed(ah, data, from, si) < 0) goto fail;
+                if (span_at(spans, i, &si, &ei) < 0) goto fail;
+                feed(&as, data, from, si);
                 if (si > from) from = si;
-                PyObject *a = PyObject_CallMethodNoArgs(ah, s_copy);
-                if (!a) goto fail;
-                PyObject *u = PyObject_CallMethodOneArg(a, s_update, b_ar_suffix);
-                PyObject *k = u ? PyObject_CallMethodOneArg(a, s_digest, i_16) : NULL;
-                Py_XDECREF(u);
-                Py_DECREF(a);
+                PyObject *k = key_of(&as, "\xff" "AR", 3); /* (tokcache.store.keys: _AR_SUFFIX) */
                 if (!k) goto fail;
                 PyList_SetItem(ar_keys, i, k); /* steals k */
             }
@@ -726,14 +724,12 @@ done:
     Py_XDECREF(tail_list);
     Py_XDECREF(keyed);
     Py_XDECREF(keys);
-    Py_XDECREF(h);
     Py_XDECREF(state);
     Py_XDECREF(exact);
     Py_XDECREF(ident);
     Py_XDECREF(entry);
     Py_XDECREF(st);
     Py_XDECREF(ar_keys);
-    Py_XDECREF(ah);
     return result;
 }
 
@@ -1132,18 +1128,23 @@ PyMODINIT_FUNC PyInit__speedups(void) {
     INTERN(s_tail_from, "tail_from");
     INTERN(s_kept_end, "kept_end");
     INTERN(s_hashers, "hashers");
-    INTERN(s_copy, "copy");
-    INTERN(s_update, "update");
-    INTERN(s_digest, "digest");
     INTERN(s_move_to_end, "move_to_end");
 #undef INTERN
-    if (!(i_16 = PyLong_FromLong(16)) || !(b_l0_suffix = PyBytes_FromStringAndSize("\xffL0", 3)) ||
-        !(b_ar_suffix = PyBytes_FromStringAndSize("\xff" "AR", 3)))
-        return NULL;
+    /* (PyCapsule_Import only imports the first part of a dotted name and walks attributes
+     * from there: the store extension may not be imported yet) */
+    PyObject *store_ext = PyImport_ImportModule("tokcache.store._speedups");
+    PyObject *capsule = store_ext ? PyObject_GetAttrString(store_ext, "_hasher_api") : NULL;
+    hasher_api = capsule ? (const TkHasherAPI *)PyCapsule_GetPointer(capsule, TK_HASHER_CAPSULE) : NULL;
+    Py_XDECREF(capsule);
+    Py_XDECREF(store_ext);
+    if (!hasher_api || hasher_api->version != TK_HASHER_API_VERSION) {
+        hasher_api = NULL; /* extend serves nothing; the rest of this module works */
+        PyErr_Clear();
+    }
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
     Py_INCREF(&MatcherType);
-    if (PyModule_AddIntConstant(m, "API", 12) < 0 || PyModule_AddObject(m, "Matcher", (PyObject *)&MatcherType) < 0) {
+    if (PyModule_AddIntConstant(m, "API", 13) < 0 || PyModule_AddObject(m, "Matcher", (PyObject *)&MatcherType) < 0) {
         Py_DECREF(&MatcherType);
         Py_DECREF(m);
         return NULL;

@@ -1,29 +1,43 @@
-"""blake3 hashing that keeps the GIL.
+"""BLAKE3 for keys and record checks, holding the GIL: the one place that picks the hasher.
 
-blake3's binding lets go of the GIL for an update of ``GIL_PIECE + 1`` bytes or more (as
-hashlib does). Getting it back then waits for whichever of the caller's threads took it
-meanwhile — a client's write-behind, gRPC's, the caller's own — for up to the interpreter's
-switch interval (5 ms): for hashing that takes microseconds. With a thread spinning beside
-it, a 15 KB hash measured up to ~5000 µs instead of ~9 (one run, Python 3.11, blake3 1.0.11);
-in a client's one-process replay a write's record check took 220 µs on average (~10 alone).
-Inputs longer than the bound are fed in pieces below it (~4x slower than one update for a
-57 KB text: 89 against 22 µs, far below one lost switch). The native key pass feeds the
-same way (``tokcache.engine._speedups``: ``TK_GIL_PIECE``).
+``Hasher`` is ``tokcache.store._speedups.Hasher`` (the vendored official C implementation,
+``_hasher.c``) when the store extension is built, else the ``blake3`` package's hasher; both
+give the same digests (tests/tokcache/store/test_hasher.py), so keys and checks written by
+either are the same. The C one is also the one the engine extension's key pass works on in
+place: a key state made by the Python code is hashed on natively, and the reverse.
+
+Why the C one: it never lets go of the GIL. The package's binding does for an update of
+``GIL_PIECE + 1`` bytes or more (as hashlib does), and getting the GIL back then waits for
+whichever of the caller's threads took it meanwhile — a client's write-behind, gRPC's, the
+caller's own — for up to the interpreter's switch interval (5 ms): for hashing that takes
+microseconds. With a thread spinning beside it, a 15 KB hash measured up to ~5000 µs instead
+of ~9 (one run, Python 3.11, blake3 1.0.11); in a client's one-process replay a write's record
+check took 220 µs on average (~10 alone). So the package is fed in pieces below that bound,
+which also loses its SIMD across chunks (57 KB: ~57 µs in pieces against ~16 in one C update).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from blake3 import blake3
+from tokcache import native
+
+_speedups = native.store()
 
 GIL_PIECE = 2047
 
+if _speedups is not None:
+    Hasher: Any = _speedups.Hasher
+    NATIVE = True
+else:  # pragma: no cover - exercised with TOKCACHE_PURE_PYTHON=1
+    from blake3 import blake3 as Hasher
+    NATIVE = False
 
-def feed(h: Any, data: bytes | bytearray | memoryview) -> None:  # noqa: ANN401 - blake3's hasher is untyped
+
+def feed(h: Any, data: bytes | bytearray | memoryview) -> None:  # noqa: ANN401 - either hasher type
     """``h.update(data)``, holding the GIL throughout."""
     n = len(data)
-    if n <= GIL_PIECE:
+    if n <= GIL_PIECE or NATIVE:
         h.update(data)
         return
     mv = memoryview(data)
@@ -33,7 +47,7 @@ def feed(h: Any, data: bytes | bytearray | memoryview) -> None:  # noqa: ANN401 
 
 def digest(data: bytes | bytearray | memoryview, size: int) -> bytes:
     """The first ``size`` bytes of blake3(``data``), holding the GIL throughout."""
-    h = blake3()
+    h = Hasher()
     feed(h, data)
-    digest: bytes = h.digest(size)
-    return digest
+    out: bytes = h.digest(size)
+    return out

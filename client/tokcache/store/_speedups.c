@@ -17,6 +17,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "_hasher.h"
 #include "_index.h"
 
 #define KEY_SIZE TK_KEY_SIZE
@@ -260,7 +261,8 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "tokcache.store._speedups",
-    "Index probes and slot writes in C (_index.py is the reference). API: the version of these\n"
+    "Index probes and slot writes in C (_index.py is the reference), and Hasher: BLAKE3 for\n"
+    "keys (_hasher.c). API: the version of these\n"
     "functions (see tokcache.engine._speedups).", -1, methods,
 };
 
@@ -271,6 +273,6 @@ PyMODINIT_FUNC PyInit__speedups(void) {
         return NULL;
     }
     PyObject *m = PyModule_Create(&module);
-    if (m && PyModule_AddIntConstant(m, "API", 3) < 0) Py_CLEAR(m);
+    if (m && (PyModule_AddIntConstant(m, "API", 4) < 0 || tk_hasher_add(m) < 0)) Py_CLEAR(m);
     return m;
 }

@@ -15,9 +15,7 @@ import functools
 from bisect import bisect_right
 from typing import Any, NamedTuple
 
-from blake3 import blake3
-
-from ._hash import feed
+from ._hash import Hasher, feed
 
 __all__ = ["CHECKPOINT_CUTS", "KEY_BYTES", "KEY_GRID", "KeyState", "KeyStream", "MODE_EXACT", "MODE_KV_STABLE",
            "TextKeys", "extend_keyed", "l0_key", "namespace", "output_key", "pending_key", "root_hasher", "segment_key"]
@@ -44,7 +42,7 @@ class KeyStream:
 
     def __init__(self, salt: str, mode: bytes) -> None:
         self.namespace = namespace(salt, mode)
-        self._h = blake3(b"tokcache/v1\x00" + self.namespace)
+        self._h = Hasher(b"tokcache/v1\x00" + self.namespace)
 
     def feed(self, data: bytes) -> None:
         """Append the next bytes of the text."""
@@ -90,7 +88,7 @@ def output_key(prompt: str | bytes, output: str | bytes, *, salt: str = "") -> b
     return stream.output_key()
 
 
-_PENDING = blake3(b"tokcache/v1\x00P")
+_PENDING = Hasher(b"tokcache/v1\x00P")
 
 
 def pending_key(ar_key: bytes) -> bytes:
@@ -115,7 +113,7 @@ def segment_key(salt: str, mode: bytes, text: bytes | memoryview) -> bytes:
 @functools.lru_cache(maxsize=256)
 def _segment_root(salt: str, mode: bytes) -> Any:  # noqa: ANN401 - blake3's hasher type is untyped
     """A hasher fed segment_key's namespace header: copy it, never update it."""
-    return blake3(b"tokcache/v1\x00S" + namespace(salt, mode))
+    return Hasher(b"tokcache/v1\x00S" + namespace(salt, mode))
 
 
 # Which cuts carry an L1 key: the first cut, and the first cut ending in each KEY_GRID-byte
