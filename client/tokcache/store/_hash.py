@@ -18,7 +18,8 @@ which also loses its SIMD across chunks (57 KB: ~57 µs in pieces against ~16 in
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from tokcache import native
 
@@ -26,11 +27,23 @@ _speedups = native.store()
 
 GIL_PIECE = 2047
 
+
+class KeyHasher(Protocol):
+    """What keys use of a BLAKE3 hasher (either type)."""
+
+    def update(self, data: bytes | bytearray | memoryview, /) -> Any: ...  # noqa: ANN401 - self, or None
+    def copy(self) -> KeyHasher: ...
+    def digest(self, length: int = 32) -> bytes: ...
+
+
+Hasher: Callable[..., KeyHasher]
 if _speedups is not None:
-    Hasher: Any = _speedups.Hasher
+    Hasher = _speedups.Hasher
     NATIVE = True
-else:  # pragma: no cover - exercised with TOKCACHE_PURE_PYTHON=1
-    from blake3 import blake3 as Hasher
+else:  # tests/tokcache/store/test_hasher.py runs this in a TOKCACHE_PURE_PYTHON=1 process
+    from blake3 import blake3
+
+    Hasher = blake3
     NATIVE = False
 
 

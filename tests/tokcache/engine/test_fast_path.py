@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from blake3 import blake3
 
 from tokcache.engine import ids as ids_mod
 from tokcache.engine import lookup as lookup_mod
@@ -33,6 +34,7 @@ from tokcache.engine.tokenizer import Manifest, from_manifest
 from tokcache.ids import pack_ids
 from tokcache.sidecar.engine.model import ModelEngine
 from tokcache.store import Kind, Store, StoreReader
+from tokcache.store.keys import namespace
 
 pytestmark = pytest.mark.skipif(lookup_mod._native is None, reason="the native extension is not built")
 
@@ -298,6 +300,41 @@ def test_the_native_path_marks_the_chain_it_serves_as_used(engine: ModelEngine, 
         slot = reader.slot(got.write.parent)
         assert slot is not None
         assert next(reversed(entries)) == by_lsn[slot[0]] != newest
+
+
+def test_a_key_state_of_another_hasher_type_is_the_python_paths(engine: ModelEngine, own_model: ReadModel,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The native key pass works on tokcache.store._speedups.Hasher states in place; a state
+    whose hasher is anything else (the ``blake3`` package's, as a build without the store
+    extension makes) is never read as one: ``extend`` says None and the Python path serves the
+    same ids from the same keys."""
+    counting = _Counting(lookup_mod._native)
+    monkeypatch.setattr(lookup_mod, "_native", counting)
+    with _segment(engine) as (store, reader):
+        memo: ChainMemo[Chunks] = ChainMemo(LISTS)
+        lk: Lookup[Chunks, list[int]] = Lookup(own_model, reader, memo)
+        rng = random.Random(f"foreign-{engine.name}")
+        msgs = [{"role": "system", "content": _para(rng, 200)}, {"role": "user", "content": _para(rng, 60)}]
+        got = lk.tokenize(engine.render(msgs, add_generation_prompt=True), add_special_tokens=False, mode="exact")
+        assert got.write is not None and commit(store, memo, got.write) is not None
+        msgs += [{"role": "assistant", "content": _para(rng, 30)}, {"role": "user", "content": _para(rng, 40)}]
+        text = engine.render(msgs, add_generation_prompt=True)
+        bases, _ = own_model.scanner.bases()
+        swapped = 0
+        for base in bases:
+            for ns, state in list(base.hashers.items()):
+                if state.hasher is None:
+                    continue
+                # The same state, made by the package: the namespace header, then the text to the cut.
+                same = blake3(b"tokcache/v1\x00" + namespace(*ns) + base.data[:base.spans[state.cut][1]])
+                assert same.digest(16) == state.hasher.digest(16)
+                base.hashers[ns] = state._replace(hasher=same)
+                swapped += 1
+        assert swapped
+        got = lk.tokenize(text, add_special_tokens=False, mode="exact")
+        assert counting.calls >= 1 and counting.served == 0
+        assert got.ids == engine.reference.encode(text)
+        assert got.decision.source == "l1"  # the same keys: the stored prefix is still found
 
 
 _CONTAINERS = (dict, list, tuple, set, frozenset, OrderedDict, deque)
