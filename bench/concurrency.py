@@ -9,6 +9,17 @@ starts). With ``--conversations N`` every P replays the same N conversations ins
 its processes in turn, so a round lasts about as long at P = 1 as at P = 16. Each client sets
 its contender up, then freezes its start-up heap as vLLM's API server does before serving
 (``gc.freeze``; ``--no-gc-freeze``: not), and waits at a barrier.
+
+``--prime-mb N``: once every client waits at the barrier, this process writes N MiB and frees
+them before the clock starts. On this machine (a VM) a page of memory the guest has not used
+lately costs ~50-65 µs of kernel time on its first touch at P = 16 (``clear_page_erms``
+under the page fault; ~2 µs for a page freed a moment ago), and a fresh tokcache client
+touches ~1 new heap page per request while its memo of the conversations it served grows
+(fastokens: none), so without priming 50-65 µs of its CPU per request is that (P = 16, 512 conversations:
+tokcache's kernel CPU per request 69 -> 16-19 µs, its CPU 336 -> 277-279 µs; fastokens+seg's
+kernel CPU 1-2 µs either way). A
+server that has run for a while, or a host without that cost, has pages to reuse; every
+contender gets the same priming, and the report says whether it ran (default: off).
 Contenders run one after another on the same cores, each with its own fresh server and cache:
 
 - ``fastokens``, ``fastokens+seg``  in-process in every client process (``+seg``: its segment cache)
@@ -230,6 +241,17 @@ def _proc_cpu_s(server: Any) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
 
+def _prime(barrier: Any, procs: int, children: list[Any], mib: int) -> None:
+    """``--prime-mb``: once all ``procs`` clients wait at the barrier (or one died), write ``mib``
+    MiB and free them, so the pages the clients touch first are ones the machine used a moment
+    ago (see the module docstring)."""
+    deadline = time.monotonic() + 600
+    while barrier.n_waiting < procs and all(c.is_alive() for c in children) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    block = b"\x01" * (mib << 20)  # written: every page touched
+    del block
+
+
 def run_one(name: str, procs: int, args: argparse.Namespace, tok_dir: Path,
             texts: list[list[str]]) -> dict[str, Any]:
     """Start the contender's server (if any), run ``procs`` clients (client ``i`` replays
@@ -259,6 +281,8 @@ def run_one(name: str, procs: int, args: argparse.Namespace, tok_dir: Path,
     try:
         for c in children:
             c.start()
+        if args.prime_mb:
+            _prime(barrier, procs, children, args.prime_mb)
         barrier.wait(timeout=600)
         start = time.time()
         server_cpu0 = _proc_cpu_s(server)
@@ -356,6 +380,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--no-gc-freeze", dest="gc_freeze", action="store_false",
                     help="leave each client's start-up heap to the garbage collector (default: frozen once the "
                          "client is set up, as vLLM's API server freezes its own before serving)")
+    ap.add_argument("--prime-mb", type=int, default=0,
+                    help="MiB this process writes and frees once the clients wait at the barrier, before each "
+                         "run's clock (default 0: none; see the module docstring)")
     ap.add_argument("--tokenizer-dir", type=Path, default=None)
     ap.add_argument("--out-dir", type=Path, default=HERE / "out")
     args = ap.parse_args(argv)
@@ -369,6 +396,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error(f"unknown contenders {sorted(unknown)}")
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
+    if args.prime_mb < 0:
+        ap.error("--prime-mb must be 0 or more")
     if args.conversations < 0 or 0 < args.conversations < max(args.proc_list):
         ap.error("--conversations must be 0 (use --passes) or at least the largest P")
     return args
@@ -385,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
         "config": {"procs": args.proc_list, "rounds": args.rounds, "passes": args.passes,
                    "conversations": args.conversations, "turns": args.turns,
                    "target_bytes": args.target_bytes, "tokenizer_dir": str(tok_dir), "seed": args.seed,
-                   "gc_freeze": args.gc_freeze},
+                   "gc_freeze": args.gc_freeze, "prime_mb": args.prime_mb},
         "environment": {"python": platform.python_version(), "cpus": os.cpu_count(),
                         "loadavg_at_start": list(os.getloadavg())},
         "runs": {}, "ratios": {}, "rounds": {},
@@ -439,7 +468,8 @@ def print_report(res: dict[str, Any]) -> None:
     each = (f"{cfg['conversations']} conversations in all" if cfg.get("conversations")
             else f"{cfg['passes']} conversations")
     print(f"\n== concurrency: P client processes x {each} x {cfg['turns']} turns "
-          f"(~{cfg['target_bytes'] / 1000:.0f} KB at the last turn), {res['environment']['cpus']} CPUs ==")
+          f"(~{cfg['target_bytes'] / 1000:.0f} KB at the last turn), {res['environment']['cpus']} CPUs"
+          + (f", {cfg['prime_mb']} MiB primed before each run" if cfg.get("prime_mb") else "") + " ==")
     names = sorted({n for runs in res["runs"].values() for n in runs}, key=(CONTENDERS + OPT_IN).index)
     print(f"{'P':>3}  " + "".join(f"{n:>30}" for n in names))
     for procs, runs in res["runs"].items():

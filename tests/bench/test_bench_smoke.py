@@ -105,7 +105,7 @@ def test_concurrency_rounds_report_medians(tmp_path: Path) -> None:
     test_concurrency_ratio_and_median_helpers, without processes.)"""
     proc = subprocess.run(
         [sys.executable, str(REPO / "bench" / "concurrency.py"), "--quick", "--procs", "1", "--rounds", "2",
-         "--contenders", "fastokens+seg", "--check", "1", "--out-dir", str(tmp_path)],
+         "--contenders", "fastokens+seg", "--check", "1", "--prime-mb", "16", "--out-dir", str(tmp_path)],
         capture_output=True, text=True, timeout=300, cwd=REPO,
     )
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
@@ -118,6 +118,8 @@ def test_concurrency_rounds_report_medians(tmp_path: Path) -> None:
     assert run["req_per_s"] == min(rps) and run["mismatches"] == 0
     assert result["ratios"]["1"] == {}  # one contender: no ratio
     assert result["config"]["procs"] == [1]  # --quick keeps an explicit --procs
+    # --prime-mb: recorded, and said in the report (each run primed before its clock).
+    assert result["config"]["prime_mb"] == 16 and "16 MiB primed before each run" in proc.stdout
 
 
 def test_concurrency_ratio_and_median_helpers() -> None:
@@ -139,6 +141,9 @@ def test_concurrency_ratio_and_median_helpers() -> None:
     with pytest.raises(SystemExit):
         parse_args(["--rounds", "0"])
     assert parse_args([]).gc_freeze and not parse_args(["--no-gc-freeze"]).gc_freeze
+    with pytest.raises(SystemExit):
+        parse_args(["--prime-mb", "-1"])
+    assert parse_args([]).prime_mb == 0  # off unless asked
 
 
 def test_concurrency_deals_the_same_conversations_at_every_p() -> None:
