@@ -13,13 +13,13 @@ its contender up, then freezes its start-up heap as vLLM's API server does befor
 ``--prime-mb N``: once every client waits at the barrier, this process writes N MiB and frees
 them before the clock starts. On this machine (a VM) a page of memory the guest has not used
 lately costs ~50-65 µs of kernel time on its first touch at P = 16 (``clear_page_erms``
-under the page fault; ~2 µs for a page freed a moment ago), and a fresh tokcache client
-touches ~1 new heap page per request while its memo of the conversations it served grows
-(fastokens: none), so without priming 50-65 µs of its CPU per request is that (P = 16, 512 conversations:
-tokcache's kernel CPU per request 69 -> 16-19 µs, its CPU 336 -> 277-279 µs; fastokens+seg's
-kernel CPU 1-2 µs either way). A
-server that has run for a while, or a host without that cost, has pages to reuse; every
-contender gets the same priming, and the report says whether it ran (default: off).
+under the page fault; ~2 µs for a page freed a moment ago). A fresh tokcache client touches
+~1 new heap page per request while its memo of the conversations it served grows (fastokens:
+none), so without priming that is 50-65 µs of its CPU per request. Measured at P = 16 with 512
+conversations: tokcache's kernel CPU per request 69 -> 16-19 µs, its CPU 336 -> 277-279 µs;
+fastokens+seg's kernel CPU 1-2 µs either way. A server that has run for a while, or a host
+without that cost, has pages to reuse. Every contender gets the same priming, and the report
+says whether it ran (default: off).
 Contenders run one after another on the same cores, each with its own fresh server and cache:
 
 - ``fastokens``, ``fastokens+seg``  in-process in every client process (``+seg``: its segment cache)
