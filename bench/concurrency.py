@@ -74,6 +74,7 @@ from _contenders import ContenderUnavailable, GeneratedOutput, SmgContender, Tok
 SEGMENT_CACHE_BYTES = 64 << 20
 CONTENDERS = ("fastokens", "fastokens+seg", "smg", "tokcache", "tokcache-rpc")
 OPT_IN = ("tokcache-ar",)
+BARRIER_TIMEOUT_S = 600  # clients set up (and the parent waits for them) within this
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -175,7 +176,7 @@ def _child(name: str, index: int, args: dict[str, Any], texts: list[str], barrie
             # of the collector's reach, so its collections traverse only what serving made.
             gc.collect()
             gc.freeze()
-        barrier.wait(timeout=600)
+        barrier.wait(timeout=BARRIER_TIMEOUT_S)
         lat: list[float] = []
         kept: list[tuple[int, list[int]]] = []
         c0 = time.process_time()  # this process's CPU, its write-behind thread included
@@ -245,7 +246,7 @@ def _prime(barrier: Any, procs: int, children: list[Any], mib: int) -> None:
     """``--prime-mb``: once all ``procs`` clients wait at the barrier (or one died), write ``mib``
     MiB and free them, so the pages the clients touch first are ones the machine used a moment
     ago (see the module docstring)."""
-    deadline = time.monotonic() + 600
+    deadline = time.monotonic() + BARRIER_TIMEOUT_S
     while barrier.n_waiting < procs and all(c.is_alive() for c in children) and time.monotonic() < deadline:
         time.sleep(0.05)
     block = b"\x01" * (mib << 20)  # written: every page touched
@@ -283,7 +284,7 @@ def run_one(name: str, procs: int, args: argparse.Namespace, tok_dir: Path,
             c.start()
         if args.prime_mb:
             _prime(barrier, procs, children, args.prime_mb)
-        barrier.wait(timeout=600)
+        barrier.wait(timeout=BARRIER_TIMEOUT_S)
         start = time.time()
         server_cpu0 = _proc_cpu_s(server)
         results = [out.get(timeout=1800) for _ in children]
