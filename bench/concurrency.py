@@ -11,15 +11,18 @@ its contender up, then freezes its start-up heap as vLLM's API server does befor
 (``gc.freeze``; ``--no-gc-freeze``: not), and waits at a barrier.
 
 ``--prime-mb N``: once every client waits at the barrier, this process writes N MiB and frees
-them before the clock starts. On this machine (a VM) a page of memory the guest has not used
-lately costs ~50-65 µs of kernel time on its first touch at P = 16 (``clear_page_erms``
-under the page fault; ~2 µs for a page freed a moment ago). A fresh tokcache client touches
-~1 new heap page per request while its memo of the conversations it served grows (fastokens:
-none), so without priming that is 50-65 µs of its CPU per request. Measured at P = 16 with 512
+them before the clock starts. This machine is a VM whose host backs guest memory lazily and
+takes back what the guest frees (virtio-balloon free page reporting): a page the guest has not
+used lately costs a host fault on its first touch, 31-44 µs against 1.5-1.6 µs for one used a
+moment ago (``bench/first_touch.py``, which also says whether a machine does this). A fresh
+tokcache client touches ~1 new heap page per request while its memo of the conversations it
+served grows (fastokens: none); at P = 16 that showed as 60-69 µs of kernel CPU per request
+(``clear_page_erms`` under the fault, by sample share). Measured at P = 16 with 512
 conversations: tokcache's kernel CPU per request 69 -> 16-19 µs, its CPU 336 -> 277-279 µs;
-fastokens+seg's kernel CPU 1-2 µs either way. A server that has run for a while, or a host
-without that cost, has pages to reuse. Every contender gets the same priming, and the report
-says whether it ran (default: off).
+fastokens+seg's kernel CPU 1-2 µs either way. A server that has run for a while (its heap
+grown), or a host that backs memory up front, has no such cost. Every contender gets the same
+priming, and the report says whether it ran and whether the machine reports free pages
+(default: off).
 Contenders run one after another on the same cores, each with its own fresh server and cache:
 
 - ``fastokens``, ``fastokens+seg``  in-process in every client process (``+seg``: its segment cache)
@@ -70,6 +73,7 @@ for p in (str(HERE), str(REPO)):
 
 import conversations  # noqa: E402
 from _contenders import ContenderUnavailable, GeneratedOutput, SmgContender, TokcacheContender  # noqa: E402
+from first_touch import balloon_reporting  # noqa: E402
 
 SEGMENT_CACHE_BYTES = 64 << 20
 CONTENDERS = ("fastokens", "fastokens+seg", "smg", "tokcache", "tokcache-rpc")
@@ -417,7 +421,8 @@ def main(argv: list[str] | None = None) -> int:
                    "target_bytes": args.target_bytes, "tokenizer_dir": str(tok_dir), "seed": args.seed,
                    "gc_freeze": args.gc_freeze, "prime_mb": args.prime_mb},
         "environment": {"python": platform.python_version(), "cpus": os.cpu_count(),
-                        "loadavg_at_start": list(os.getloadavg())},
+                        "loadavg_at_start": list(os.getloadavg()),
+                        "balloon_free_page_reporting": balloon_reporting()},
         "runs": {}, "ratios": {}, "rounds": {},
     }
     code = 0
@@ -471,6 +476,10 @@ def print_report(res: dict[str, Any]) -> None:
     print(f"\n== concurrency: P client processes x {each} x {cfg['turns']} turns "
           f"(~{cfg['target_bytes'] / 1000:.0f} KB at the last turn), {res['environment']['cpus']} CPUs"
           + (f", {cfg['prime_mb']} MiB primed before each run" if cfg.get("prime_mb") else "") + " ==")
+    if res["environment"].get("balloon_free_page_reporting") and not cfg.get("prime_mb"):
+        print("(this VM's balloon reports free pages to its host: a page a process touches first costs a host "
+              "fault unless the guest used it lately; bench/first_touch.py measures it, --prime-mb models a "
+              "node that has run a while)")
     names = sorted({n for runs in res["runs"].values() for n in runs}, key=(CONTENDERS + OPT_IN).index)
     print(f"{'P':>3}  " + "".join(f"{n:>30}" for n in names))
     for procs, runs in res["runs"].items():

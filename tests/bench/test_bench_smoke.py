@@ -185,3 +185,52 @@ def test_cold_read_quick_run_reads_in_process_with_exact_ids(tmp_path: Path) -> 
     assert sum(result["sources"].values()) == 9 and result["sources"].get("l1", 0) >= 6, result["sources"]
     assert all(v["p50_us"] and v["p50_us"] > 0 for v in result["alongside"].values())
     assert (tmp_path / "cold_read.png").stat().st_size > 0
+
+
+def test_first_touch_quick_run_times_every_chunk(tmp_path: Path) -> None:
+    """bench/first_touch.py: a figure per chunk and pass, the loop's own cost apart, a verdict."""
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "first_touch.py"), "--quick", "--passes", "2",
+         "--out-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=120, cwd=REPO,
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    r = json.loads((tmp_path / "first_touch.json").read_text())
+    assert r["config"]["chunks"] == 1 and len(r["us_per_page"]) == 2
+    assert all(len(row) == 1 and row[0] > 0 for row in r["us_per_page"])
+    assert 0 < r["baseline_us_per_page"] and r["median_us_per_page"] <= r["max_us_per_page"]
+    assert r["slow_chunks"] == sum(us > r["slow_threshold_us"] for row in r["us_per_page"] for us in row)
+    assert r["environment"]["balloon_free_page_reporting"] in (True, False, None)
+    assert "µs/page by chunk" in proc.stdout and (tmp_path / "first_touch.png").stat().st_size > 0
+
+
+def test_first_touch_refuses_more_than_the_machine_has(tmp_path: Path) -> None:
+    """Asking for more memory than is available is a clear error before anything is touched."""
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "first_touch.py"), "--gib", "100000", "--out-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=60, cwd=REPO,
+    )
+    assert proc.returncode != 0 and "MiB available" in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "first_touch.json").exists()
+
+
+def _virtio(root: Path, name: str, device: int, features: str) -> None:
+    d = root / name
+    d.mkdir(parents=True)
+    (d / "device").write_text(f"0x{device:04x}\n")
+    (d / "features").write_text(features + "\n")
+
+
+def test_balloon_reporting_reads_the_balloon_feature_bit(tmp_path: Path) -> None:
+    """Bit 5 of the balloon's features (VIRTIO_BALLOON_F_REPORTING), other devices ignored."""
+    from bench.first_touch import balloon_reporting
+
+    assert balloon_reporting(tmp_path / "absent") is None
+    net = "1" * 64
+    _virtio(tmp_path / "a", "virtio0", 1, net)  # a net device with every bit set: not a balloon
+    assert balloon_reporting(tmp_path / "a") is None
+    _virtio(tmp_path / "b", "virtio0", 1, net)
+    _virtio(tmp_path / "b", "virtio1", 5, "01100101" + "0" * 56)
+    assert balloon_reporting(tmp_path / "b") is True
+    _virtio(tmp_path / "c", "virtio0", 5, "01100001" + "0" * 56)
+    assert balloon_reporting(tmp_path / "c") is False
