@@ -190,6 +190,9 @@ class Scan:
     # history the template rewrote: one that extended none of the texts before it), when that
     # is not this one; kept alive here for the next rewrite of the history (see _MEMO_ROOTS).
     root: Scan | None = None
+    # On a root: the memo key its line's latest text was last filed under (None: not filed since),
+    # so a text that rewrites the line's history drops that text without searching the memo.
+    line_key: tuple[bool, int, int] | None = None
     # Bytes this entry keeps alive (for the memo's budget): its texts, and its root's. Fixed
     # at construction (the texts and the root never change), so the memo adds and subtracts
     # the same figure, and reading it touches neither the old text nor its root.
@@ -577,6 +580,8 @@ class BoundaryScanner:
                 elif base in recent:
                     recent.remove(base)
                     self._bytes -= base.weight
+            if base is not None and scan.root is None:
+                self._drop_line(base)
             recent.insert(0, scan)
             self._bytes += scan.weight
             if len(recent) > _MEMO_RECENT:
@@ -609,6 +614,27 @@ class BoundaryScanner:
         while roots and (len(roots) > _MEMO_ROOTS or self._root_bytes > self._memo_bytes // 4):
             self._root_bytes -= roots.pop().weight
 
+    def _drop_line(self, root: Scan) -> None:
+        """Forget the latest text of each line ``root`` started: a text that extends ``root`` and
+        starts a line of its own has rewritten that line's history (Qwen3 drops the reasoning of
+        the turns since the user's previous message), and its conversation goes on from the new
+        text. Kept, the old line's latest text (and, through it, the root) stayed in the memo until
+        its budget evicted it: ~16 texts per 40-turn bench conversation instead of ~3, the memory a
+        fresh process grows by (on a VM that backs memory lazily, a host fault per new page; see
+        bench/first_touch.py). Only a speed-up is lost if that text comes back (a retried turn: it is
+        scanned again, or from a shared prefix), never ids. Lock held."""
+        recent = self._recent
+        for c in [c for c in recent if c.root is root]:
+            recent.remove(c)
+            self._bytes -= c.weight
+            c.superseded = True
+        key = root.line_key
+        if key is not None:
+            root.line_key = None
+            for c in [c for c in self._memo.get(key, ()) if c.root is root]:
+                self._drop(key, c)
+                c.superseded = True
+
     def _file_old(self, scan: Scan) -> None:
         """File a text that left the recent ones under its anchor (or forget it). Lock held."""
         key = self._file(scan, scan.text is not None)
@@ -619,6 +645,8 @@ class BoundaryScanner:
         self._memo.move_to_end(key)
         bucket.insert(0, scan)
         scan.filed = key
+        if scan.root is not None:
+            scan.root.line_key = key
         for dropped in bucket[_MEMO_PER_KEY:]:
             self._bytes -= dropped.weight
             dropped.filed = None

@@ -201,6 +201,48 @@ def test_a_rewritten_history_extends_the_root_of_its_line(qwen3_path: Path) -> N
         assert len(scanner._roots) <= boundaries._MEMO_ROOTS
 
 
+@pytest.mark.parametrize("others", [0, 4])  # 4: the line's latest text left the latest ones (filed)
+def test_a_rewrite_drops_the_line_it_rewrote(qwen3_path: Path, others: int) -> None:
+    """Once a text rewrote a line's history (it extends the line's root and starts a line of its
+    own), the old line's latest text leaves the memo, whether still among the latest or filed
+    under an anchor (``others`` unrelated texts scanned in between): a conversation keeps ~3
+    texts alive, not one per rewrite. The memo's byte count stays the sum of what it holds, and
+    every later rewrite still extends its root, its scan a full scan's."""
+    import random
+
+    path, check, added = _qwen3_parts(qwen3_path)
+    fresh = BoundaryScanner(added, check.boundary_tokens, memo_bytes=0)
+    rng = random.Random(7)
+
+    def words(n: int) -> str:
+        return " ".join(rng.choice(["read", "file", "ok", "命令", "é"]) for _ in range(n))
+
+    def held(scanner: BoundaryScanner) -> list[boundaries.Scan]:
+        return list(scanner._recent) + [e for bucket in scanner._memo.values() for e in bucket]
+
+    scanner = BoundaryScanner.from_tokenizer(path, check)
+    system = "<|im_start|>system\n" + words(800) + "<|im_end|>\n"
+    line_root = f"{system}<|im_start|>user\n{words(300)}<|im_end|>\n<|im_start|>assistant\n"
+    latest = line_root
+    root = scanner.scan_text(line_root)
+    for round_ in range(4):
+        for _ in range(4):  # turns that extend the latest (with reasoning)
+            latest += f"<think>{words(40)}</think><tool_call>{words(30)}</tool_call><|im_end|>\n"
+            assert scanner.scan_text(latest).root is root
+        assert [e for e in held(scanner) if e.root is root]
+        for i in range(others):  # other conversations' first prompts
+            scanner.scan_text(f"<|im_start|>user\nother {round_}.{i}: {words(900)}<|im_end|>\n")
+        text = (line_root + f"<tool_call>{words(30)}</tool_call><|im_end|>\n"
+                f"<|im_start|>user\nround {round_}: {words(40)}<|im_end|>\n<|im_start|>assistant\n")
+        got = scanner.scan_text(text)  # the user speaks: the reasoning is dropped
+        assert got.base_len == len(line_root.encode()) and got.root is None, round_
+        assert got.spans == fresh.spans(got.data)
+        assert not [e for e in held(scanner) if e.root is root], round_
+        assert scanner._bytes == sum(e.weight for e in held(scanner))
+        line_root = latest = text
+        root = got
+
+
 def test_roots_stay_within_the_memo_budget(qwen3_path: Path) -> None:
     """The latest roots are kept within a quarter of the memo's budget; a memo of no budget
     keeps none (and still scans right)."""
