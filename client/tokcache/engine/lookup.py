@@ -571,6 +571,10 @@ class Lookup(Generic[Ids, Out]):
             at = enc.cut_tokens.get(last)
             if at is not None:
                 ready = Ready(scan, last, full, hit.tokens + at)
+        # The text this one extends served this request alone (its key states and encoding are
+        # now this text's too), and the next turn extends this one: let it go now, not when that
+        # turn supersedes this text (one text and its ids per conversation less in memory).
+        scan.base = None
         return write, ready
 
     def _extend(self, text: str, *, add_special_tokens: bool, salt: str, mode: str,
