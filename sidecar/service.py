@@ -34,7 +34,7 @@ from google.protobuf.unknown_fields import UnknownFieldSet  # type: ignore[impor
 
 from tokcache.engine.errors import EngineError, InvalidRequest, RequestTooLarge, UnknownModel
 from tokcache.engine.lookup import PendingWait, TierNeeded
-from tokcache.sidecar.engine.model import Decision, ModelEngine, Outcome, utf8
+from tokcache.sidecar.engine.model import Decision, ModelEngine, Outcome
 from tokcache.sidecar.telemetry import Metrics, Tracing
 from tokcache.sidecar.tier import ArTier
 from tokcache.sidecar.wire import MODE_FROM_PROTO, chat_from_proto, source_to_proto, unpack_ids
@@ -254,7 +254,6 @@ class TokenizerService(pb_grpc.TokenizerServicer):  # generated base class, unty
             add_special = request.add_special_tokens if request.HasField("add_special_tokens") else False
         else:
             raise InvalidRequest("input", "one of text or chat is required")
-        data, n_chars = utf8(text), len(text)
         if request.mode not in (0, *MODE_FROM_PROTO):
             raise InvalidRequest("mode", f"unknown mode {request.mode}")
         mode = MODE_FROM_PROTO.get(request.mode, self.default_mode)
@@ -263,12 +262,12 @@ class TokenizerService(pb_grpc.TokenizerServicer):  # generated base class, unty
         while True:
             may_wait = wait.open
             try:
-                out = engine.tokenize_utf8(data, n_chars, add_special_tokens=add_special, salt=request.cache_salt,
-                                           mode=mode, defer_store=True, tier=self.tier is not None and not tier_attrs)
+                out = engine.tokenize(text, add_special_tokens=add_special, salt=request.cache_salt,
+                                      mode=mode, defer_store=True, tier=self.tier is not None and not tier_attrs)
             except TierNeeded as need:
                 tier_attrs = await self._ask_tier(call, engine, need)
-                out = engine.tokenize_utf8(data, n_chars, add_special_tokens=add_special, salt=request.cache_salt,
-                                           mode=mode, defer_store=True)
+                out = engine.tokenize(text, add_special_tokens=add_special, salt=request.cache_salt,
+                                      mode=mode, defer_store=True)
             if not (out.decision.ar_pending and may_wait):
                 break
             # The text continues an output whose record a vLLM process sent before its

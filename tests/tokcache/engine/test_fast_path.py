@@ -27,7 +27,7 @@ from blake3 import blake3
 from tokcache.engine import ids as ids_mod
 from tokcache.engine import lookup as lookup_mod
 from tokcache.engine.boundaries import Scan
-from tokcache.engine.ids import LISTS, Chunks, untrack
+from tokcache.engine.ids import BYTES, LISTS, Chunks, untrack
 from tokcache.engine.lookup import Lookup, ReadModel, _cut_tokens, commit
 from tokcache.engine.memo import ChainMemo
 from tokcache.engine.tokenizer import Manifest, from_manifest
@@ -210,6 +210,51 @@ def test_native_and_python_paths_agree_along_long_chats(engine: ModelEngine, mod
         elif not (add and model.affixes.prefix):
             assert fast.heads.used >= turns // 3, (fast.heads.built, fast.heads.used)
         assert ref.heads.used == 0
+
+
+@pytest.mark.parametrize("mode,record", [("exact", False), ("kv-stable", False), ("kv-stable", True)],
+                         ids=["exact", "kv", "kv-recorded"])
+def test_the_sidecar_serves_rpc_text_natively(engine: ModelEngine, model: ReadModel, mode: str, record: bool,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sidecar's own requests (``ModelEngine.tokenize``: the RPC path's entry, packed ids,
+    settled and stored before the next request) take the native path as a client's do, with
+    the ids and decision of the Python path on the same segment (a reference lookup that
+    stores nothing, run first each turn so both see the same entries)."""
+    counting = _Counting(lookup_mod._native)
+    monkeypatch.setattr(lookup_mod, "_native", counting)
+    with _segment(engine) as (store, reader):
+        ref: Lookup[bytes, bytes] = Lookup(model, reader, ChainMemo(BYTES))
+        engine.store = store
+        try:
+            rng = random.Random(f"sidecar-{engine.name}-{mode}-{record}")
+            msgs: list[dict[str, Any]] = [{"role": "system", "content": _para(rng, 200)}]
+            eos = {"qwen3": "<|im_end|>", "llama32": "<|eot_id|>"}[engine.name]
+            turns = 16
+            for turn in range(turns):
+                msgs.append({"role": "user", "content": _para(rng, rng.randint(20, 300))})
+                text = engine.render(msgs, add_generation_prompt=True)
+                monkeypatch.setattr(lookup_mod, "_native", None)
+                want = ref.tokenize(text, add_special_tokens=False, mode=mode)
+                monkeypatch.setattr(lookup_mod, "_native", counting)
+                got = engine.tokenize(text, add_special_tokens=False, mode=mode)  # stores its entries
+                assert got.ids == want.ids, (turn, got.decision, want.decision)
+                if mode == "exact":
+                    assert got.ids == pack_ids(engine.reference.encode(text)), turn
+                for name in ("source", "cached_tokens", "cached_chars", "encoded_chars", "boundaries", "l1_hit",
+                             "ar_spliced_tokens"):
+                    assert getattr(got.decision, name) == getattr(want.decision, name), (turn, name)
+                answer = _para(rng, rng.randint(5, 80))
+                if record:
+                    after = engine.render([*msgs, {"role": "assistant", "content": answer},
+                                           {"role": "user", "content": "x"}], add_generation_prompt=True)
+                    if after.startswith(text) and eos in after[len(text):]:
+                        out = after[len(text):].split(eos)[0]
+                        engine.record_output(prompt_text=text, prompt_ids=got.ids, output_text=out,
+                                             output_ids=engine.reference.encode(out) + engine.reference.encode(eos))
+                msgs.append({"role": "assistant", "content": answer})
+        finally:
+            engine.store = None
+        assert counting.served >= turns // 2, (counting.served, counting.calls)
 
 
 _MARKUP = {"qwen3": ("<|im_end|>\n", "<|im_start|>{}\n"),
