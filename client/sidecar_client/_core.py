@@ -16,12 +16,12 @@ from typing import Any
 from sidecar_client import _validate
 from sidecar_client._models import CacheDecision, ModelInfo, TokenizeResult
 from sidecar_client.errors import InvalidArgumentError
-from tokcache.ids import unpack_ids
+from tokcache.engine.ids import unpack_interned
 from tokcache.v1 import tokenizer_pb2 as pb
 
 __all__ = ["ADDRESS_ENV", "MAX_DEADLINE_S", "build_chat", "build_record", "build_records", "build_render",
            "build_tokenize", "channel_target", "check_timeout", "check_tokenize", "default_address", "grpc_timeout",
-           "pack_ids", "read_models", "read_tokenize", "record_kwargs", "unpack_ids"]
+           "pack_ids", "read_models", "read_tokenize", "record_kwargs"]
 
 ADDRESS_ENV = "TOKCACHE_ADDRESS"
 DEFAULT_ADDRESS = "unix:///run/tokcache/tokcache.sock"
@@ -209,7 +209,10 @@ def build_tokenize(model: str, *, text: str | None, messages: Sequence[Mapping[s
 def read_tokenize(resp: pb.TokenizeResponse, want_text: bool) -> TokenizeResult:
     d = resp.decision
     return TokenizeResult(
-        token_ids=unpack_ids(resp.token_ids),
+        # One int object per id value, shared by every result (tokcache.engine.ids.intern_ids),
+        # as the in-process reads' results are: not ~14k new ints per 57 KB reply (16k ids:
+        # 88 -> 34 µs warm, 150 -> 120 µs after a gc.collect()).
+        token_ids=unpack_interned(resp.token_ids),
         fingerprint=resp.fingerprint,
         backend=resp.backend,
         prompt_text=resp.prompt_text if want_text else None,
