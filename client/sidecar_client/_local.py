@@ -270,6 +270,7 @@ class WriteBehind:
         self._thread: threading.Thread | None = None
         self._parked = False  # the thread waits for an offer (else it looks every WRITER_TICK_S)
         self._closed = False
+        self._stopped: list[Callable[[], None]] = []  # run once the background thread has ended
         self._request_at = 0.0  # time.monotonic() of the last request begun (see note_request)
         self._request_end = 0.0  # and of the last one ended (note_done)
         # The thread settled the last read's bookkeeping in a pause (no request did it inline):
@@ -407,7 +408,10 @@ class WriteBehind:
         deadline = None if timeout is None else time.monotonic() + timeout
         self._paced = False  # the caller settles between its requests (see settle_soon)
         self.settler.run()
-        while (got := self._store_next(None, deadline)) is True:
+        # The writer lock is waited for as long as the flush may take (no timeout: however
+        # long it stays busy; a dead holder's is recovered, see tokcache.store._lock).
+        lock_deadline = math.inf if deadline is None else deadline
+        while (got := self._store_next(None, deadline, lock_deadline=lock_deadline)) is True:
             pass
         if got is False:
             return False
@@ -424,16 +428,20 @@ class WriteBehind:
         if not self._items:
             return True
         deadline = time.monotonic() + timeout
-        while (got := self._store_next(text, deadline)) is True:
+        while (got := self._store_next(text, deadline, lock_deadline=min(deadline, time.monotonic() + INLINE_LOCK_S)))\
+                is True:
             pass
         if len(self._items) > QUEUE_SOFT:
-            self._store_next(None, None, wait=False)
+            self._store_next(None, None, wait=False, lock_deadline=time.monotonic() + INLINE_LOCK_S)
         return got is None
 
-    def _store_next(self, text: str | None, deadline: float | None, *, wait: bool = True) -> bool | None:
+    def _store_next(self, text: str | None, deadline: float | None, *, wait: bool = True,
+                    lock_deadline: float | None) -> bool | None:
         """Store the oldest queued write (whose text is a prefix of ``text``, if given) in
         this thread: True when one was stored, None when there is none (and, with ``text``,
-        none related is being stored; without ``wait``: none can be taken now), False on timeout.
+        none related is being stored; without ``wait``: none can be taken now), False on timeout
+        (``deadline`` passed waiting for one, or the writer lock not had by ``lock_deadline``:
+        the write goes back to the queue, for the background thread).
 
         One write is stored at a time, oldest first: a conversation's writes land in the
         order offered, whoever stores them (each chains to the one before)."""
@@ -450,12 +458,26 @@ class WriteBehind:
                     return False
             item.state = 1
             self._busy = True
-        # Inline (a request waits): a writer lock held by another process for long is not
-        # waited out here; the write goes back to the queue for the background thread.
-        self._store_one(item, lock_timeout=INLINE_LOCK_S)
-        return True
+        # Not stored when the writer lock stays busy (another process holds it, maybe waiting
+        # for a core): the caller stops there. Counted as stored, a request retried the same
+        # write every INLINE_LOCK_S past its own timeout, for as long as the lock stayed busy
+        # (16 processes on 2 cores: requests of 170 ms and more where WAIT_RELATED_S is 50).
+        return self._store_one(item, lock_timeout=_left(lock_deadline))
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            with self._lock:
+                self._thread = None
+                stopped, self._stopped = self._stopped, []
+            for fn in stopped:
+                try:
+                    fn()
+                except Exception:  # never raise out of the thread
+                    log.exception("tokcache: releasing the segment after the write-behind thread failed")
+
+    def _loop(self) -> None:
         idle = 0
         backoff = HEADS_QUIET_S  # the shortest wait for a pause (see HEADS_QUIET_S)
         while True:
@@ -505,9 +527,9 @@ class WriteBehind:
             else:
                 self.heads.build_pending()
 
-    def _store_one(self, item: _Pending, lock_timeout: float | None = None) -> None:
+    def _store_one(self, item: _Pending, lock_timeout: float | None = None) -> bool:
         """Store one taken item (state 1), then mark it done (or queued again when the
-        writer lock was not had within ``lock_timeout``). Never raises."""
+        writer lock was not had within ``lock_timeout``: False). Never raises."""
         done = True
         try:
             done = self._write(item.write, item.text, item.salt, item.mode, lock_timeout)
@@ -523,6 +545,7 @@ class WriteBehind:
                 else:
                     item.state = 0
                 self._done.notify_all()
+        return done
 
     def _write(self, write: PendingWrite[Chunks], text: str, salt: str, mode: str,
                lock_timeout: float | None) -> bool:
@@ -558,6 +581,20 @@ class WriteBehind:
             self._work.notify_all()
         if thread is not None:
             thread.join(timeout)
+
+    def when_stopped(self, release: Callable[[], None]) -> None:
+        """Call ``release`` (unmap the segment, close its lock) once the background thread has
+        ended: now if it has (or never ran), else from the thread as it ends. A thread still
+        storing a write after :meth:`close` (the writer lock held elsewhere: it waits up to the
+        store's lock timeout) would fault on an unmapped segment or a closed semaphore."""
+        with self._lock:
+            thread = self._thread
+            if thread is not None and thread.is_alive():
+                self._stopped.append(release)
+                log.info("tokcache: model %s: the write-behind thread is still storing a write; "
+                         "the segment is unmapped once it is done", self._model)
+                return
+        release()
 
 
 def _left(deadline: float | None) -> float | None:
@@ -785,8 +822,12 @@ class LocalModel:
             self.writer.poke()
 
     def close(self) -> None:
-        """Write what is queued, unmap. Idempotent; no tokenize may run concurrently."""
+        """Write what is queued, unmap (once the write-behind thread has ended: see
+        WriteBehind.when_stopped). Idempotent; no tokenize may run concurrently."""
         self.writer.close()
+        self.writer.when_stopped(self._unmap)
+
+    def _unmap(self) -> None:
         if self._writable is not None:
             self._writable.close()
             self._writable = None

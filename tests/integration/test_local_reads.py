@@ -623,6 +623,101 @@ def test_the_next_turn_stores_the_previous_turns_write_in_its_own_thread(
         assert c.flush(5)
 
 
+def test_a_busy_writer_lock_holds_a_request_for_an_inline_lock_wait_at_most(
+        sidecar: tuple[SidecarProcess, int], qwen3_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request that finds its conversation's previous write queued tries to store it first,
+    waiting INLINE_LOCK_S for the writer lock; while another holder keeps the lock (a process
+    waiting for a core, at 16 processes on 2 cores), it gives up and is served, and the write
+    stays queued. It counted a busy lock as stored and tried again, for as long as the lock
+    stayed busy. (The lock is held here by this process's main thread, which the semaphore
+    blocks like any other; a timer lets it go after 5 s, so a regression fails, never hangs.)"""
+    import threading
+
+    from sidecar_client import _local
+
+    proc, _ = sidecar
+    ref = tokenizers.Tokenizer.from_file(str(qwen3_path / "tokenizer.json"))
+    monkeypatch.setattr(_local, "WRITER_TICK_S", 60.0)  # the background thread keeps away
+    texts = _agent_turns(3, 900)
+    with SidecarClient(proc.address, min_write_bytes=0) as c:
+        local = _opened_with_writer(c)
+        store = local.writer._store
+        assert store is not None
+        first = c.tokenize("qwen3", text=texts[0], add_special_tokens=False)
+        assert not local.writer.idle  # its write waits for the next request (or a flush)
+        held = threading.Lock()  # taken by whoever releases the writer lock: the test or the timer
+        store._lock.acquire()
+
+        def release() -> None:
+            if held.acquire(blocking=False):
+                store._lock.release()
+
+        timer = threading.Timer(5.0, release)
+        timer.start()
+        try:
+            t0 = time.monotonic()
+            second = c.tokenize("qwen3", text=texts[1], add_special_tokens=False)
+            took = time.monotonic() - t0
+        finally:
+            timer.cancel()
+            release()
+        assert took < 1.0, took
+        assert not local.writer.idle  # still queued: stored once the lock is free
+        assert [first.token_ids, second.token_ids] == [ref.encode(t, add_special_tokens=False).ids
+                                                       for t in texts[:2]]
+        assert c.flush(5) and local.writer.idle
+        assert c.stats()["writes"].get("stored", 0) >= 2
+        third = c.tokenize("qwen3", text=texts[2], add_special_tokens=False)
+        assert third.token_ids == ref.encode(texts[2], add_special_tokens=False).ids
+        assert third.decision.cached_chars >= len(texts[1]) - 2048  # the stored writes serve it
+
+
+def test_closing_while_the_write_behind_waits_for_the_writer_lock_unmaps_once_it_is_done(
+        sidecar: tuple[SidecarProcess, int], qwen3_path: Path) -> None:
+    """A client closed while its background thread waits for a writer lock held elsewhere (a
+    store's lock timeout outlasts close's own waits) keeps the segment mapped and its
+    semaphore open until the thread is done: unmapping under it faulted (SIGSEGV in sem_wait,
+    found by the test above). Once the lock is free the thread stores the write and the
+    segment is unmapped."""
+    import threading
+
+    proc, _ = sidecar
+    texts = _agent_turns(1, 900)
+    c = SidecarClient(proc.address, min_write_bytes=0)
+    try:
+        local = _opened_with_writer(c)
+        store = local.writer._store
+        assert store is not None
+        store._lock._timeout = 60.0  # the background thread's wait outlasts close()
+        held = threading.Lock()
+
+        def release() -> None:
+            if held.acquire(blocking=False):
+                store._lock.release()
+
+        store._lock.acquire()
+        timer = threading.Timer(30.0, release)  # a regression fails, never hangs
+        timer.start()
+        try:
+            c.tokenize("qwen3", text=texts[0], add_special_tokens=False)  # its write: for the thread
+            deadline = time.monotonic() + 10
+            while not any(i.state == 1 for i in local.writer._items) and time.monotonic() < deadline:
+                time.sleep(0.01)  # the thread takes it and waits for the lock
+            assert any(i.state == 1 for i in local.writer._items)
+            c.close()  # ~4 s: its flush and its join wait for the thread, which still waits
+            assert not local.reader._closed and store._mm is not None  # still mapped: the thread waits
+        finally:
+            timer.cancel()
+            release()
+        deadline = time.monotonic() + 10
+        while not local.reader._closed and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert local.reader._closed and store._mm is None  # unmapped by the thread as it ended
+        assert local.writer.idle and c.stats()["writes"].get("stored", 0) >= 1
+    finally:
+        c.close()
+
+
 def test_writes_no_later_turn_extends_do_not_pile_up_under_load(
         sidecar: tuple[SidecarProcess, int], qwen3_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Back to back, a process never pauses and its background thread stores next to nothing; the
