@@ -428,9 +428,10 @@ class WriteBehind:
         if not self._items:
             return True
         deadline = time.monotonic() + timeout
-        while (got := self._store_next(text, deadline, lock_deadline=min(deadline, time.monotonic() + INLINE_LOCK_S)))\
-                is True:
-            pass
+        while True:  # each inline store waits INLINE_LOCK_S for the writer lock at most
+            got = self._store_next(text, deadline, lock_deadline=min(deadline, time.monotonic() + INLINE_LOCK_S))
+            if got is not True:
+                break
         if len(self._items) > QUEUE_SOFT:
             self._store_next(None, None, wait=False, lock_deadline=time.monotonic() + INLINE_LOCK_S)
         return got is None
