@@ -173,8 +173,10 @@ class ModelEngine:
         With ``defer_store`` the new cache entries are not written yet: the caller
         answers first and then calls ``Outcome.commit()``. Raises InvalidRequest for
         text that is not valid Unicode and RequestTooLarge over the size limit. A failing
-        store degrades to plain encoding; it never fails the request. ``tier``: as
-        :meth:`tokenize_utf8`.
+        store degrades to plain encoding; it never fails the request. ``tier``: raise
+        :class:`~tokcache.engine.lookup.TierNeeded` (before encoding) when no recorded output
+        applies locally; the caller asks the cluster tier, passes what it got to
+        :meth:`accept_tier`, and calls again without ``tier``.
 
         A text that extends one this process tokenized is served by the read side's native
         fast path, as in a client's process (:meth:`~tokcache.engine.lookup.Lookup.tokenize`);
@@ -182,19 +184,6 @@ class ModelEngine:
         """
         self.settle_pending()
         result = self.lookup.tokenize(text, add_special_tokens=add_special_tokens, salt=salt, mode=mode, tier=tier)
-        return self._outcome(result, defer_store)
-
-    def tokenize_utf8(self, data: bytes, n_chars: int, *, add_special_tokens: bool, salt: str = "",
-                      mode: str = "kv-stable", defer_store: bool = False, tier: bool = False) -> Outcome:
-        """:meth:`tokenize` of a text given as valid UTF-8 ``data`` of ``n_chars`` characters.
-
-        ``tier``: raise :class:`~tokcache.engine.lookup.TierNeeded` (before encoding) when no
-        recorded output applies locally; the caller asks the cluster tier, passes what it got
-        to :meth:`accept_tier`, and calls again without ``tier``.
-        """
-        self.settle_pending()
-        result = self.lookup.tokenize_utf8(data, n_chars, add_special_tokens=add_special_tokens, salt=salt,
-                                           mode=mode, tier=tier)
         return self._outcome(result, defer_store)
 
     def _outcome(self, result: Result[bytes, bytes], defer_store: bool) -> Outcome:
@@ -281,8 +270,7 @@ class ModelEngine:
         prompt_key = l0_key(data, salt=salt, mode="kv-stable")
         served = self.lookup.stored_exact(prompt_key)
         if raw_bytes != served:
-            served = self.tokenize_utf8(data, len(prompt_text), add_special_tokens=False, salt=salt,
-                                        mode="kv-stable").ids
+            served = self.tokenize(prompt_text, add_special_tokens=False, salt=salt, mode="kv-stable").ids
         out_bytes = le_bytes(array("I", verified.ids))
         parent: bytes | None
         if raw_bytes == served:

@@ -420,14 +420,6 @@ class Lookup(Generic[Ids, Out]):
         return self._tokenize(scan, len(text), add_special_tokens=add_special_tokens, salt=salt, mode=mode,
                               tier=tier)
 
-    def tokenize_utf8(self, data: bytes, n_chars: int, *, add_special_tokens: bool, salt: str = "",
-                      mode: str = "kv-stable", tier: bool = False) -> Result[Ids, Out]:
-        """:meth:`tokenize` of a text given as valid UTF-8 ``data`` of ``n_chars`` characters."""
-        if len(data) > self.limits.max_text_bytes:
-            raise RequestTooLarge("text", self.limits.max_text_bytes)
-        return self._tokenize(self.model.scanner.scan(data), n_chars, add_special_tokens=add_special_tokens,
-                              salt=salt, mode=mode, tier=tier)
-
     def _tokenize(self, scan: Scan, n_chars: int, *, add_special_tokens: bool, salt: str,
                   mode: str, tier: bool = False) -> Result[Ids, Out]:
         data = scan.data
