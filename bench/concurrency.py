@@ -152,16 +152,32 @@ def _recorder(client: Any, tok_dir: Path, texts: list[str]) -> Any:
 
 def texts_of(index: int, args: argparse.Namespace, render: conversations.Renderer) -> list[str]:
     """The prompts client process ``index`` replays: its ``--passes`` conversations (a seed of
-    their own), turn after turn. The same for every contender and round."""
+    their own), ``--in-flight`` at a time. The same for every contender and round."""
     seeds = [args.seed + 1000 * index + k for k in range(args.passes)]
-    return [t for s in seeds for t in conversations.generate(s, render, args.turns, args.target_bytes).texts]
+    return interleave([conversations.generate(s, render, args.turns, args.target_bytes).texts for s in seeds],
+                      args.in_flight)
 
 
-def deal(convs: list[list[str]], procs: int) -> list[list[str]]:
+def interleave(convs: list[list[str]], in_flight: int) -> list[str]:
+    """The prompts of ``convs`` (each its prompts, turn after turn) as one process serving
+    ``in_flight`` of them at a time sees them: the first ``in_flight`` conversations' first
+    turns, then their second turns, ..., then the next ``in_flight``. 1: one conversation
+    after another (a client that is one agent); more: an API server behind which that many
+    agents run at once, each turn of one coming between two of another's."""
+    out: list[str] = []
+    for g in range(0, len(convs), in_flight):
+        group = convs[g:g + in_flight]
+        for t in range(max(len(c) for c in group)):
+            out += [c[t] for c in group if t < len(c)]
+    return out
+
+
+def deal(convs: list[list[str]], procs: int, in_flight: int = 1) -> list[list[str]]:
     """``--conversations``: the conversations (each its prompts, turn after turn) dealt to ``procs``
-    processes in turn: process ``i`` replays conversations ``i``, ``i + procs``, ... So every P
-    replays the same requests, and a round lasts about as long at P = 1 as at P = 16."""
-    return [[t for conv in convs[i::procs] for t in conv] for i in range(procs)]
+    processes in turn: process ``i`` replays conversations ``i``, ``i + procs``, ...
+    (``in_flight`` at a time: :func:`interleave`). So every P replays the same requests, and a
+    round lasts about as long at P = 1 as at P = 16."""
+    return [interleave(convs[i::procs], in_flight) for i in range(procs)]
 
 
 def _child(name: str, index: int, args: dict[str, Any], texts: list[str], barrier: Any, out: Any) -> None:
@@ -313,6 +329,10 @@ def run_one(name: str, procs: int, args: argparse.Namespace, tok_dir: Path,
     for r in results:
         for k, v in (r["stats"].get("writes") or {}).items():
             writes[k] = writes.get(k, 0) + v
+    paths: dict[str, int] = {}
+    for r in results:
+        for k, v in (r["stats"].get("paths") or {}).items():
+            paths[k] = paths.get(k, 0) + v
     client_cpu = sum(r["cpu_s"] for r in results)
     return {"status": "ok", "requests": len(lat), "wall_s": wall, "req_per_s": len(lat) / wall,
             # CPU per request: every client process's (over its loop and the flush of its
@@ -324,6 +344,8 @@ def run_one(name: str, procs: int, args: argparse.Namespace, tok_dir: Path,
             "minflt_per_req": sum(r["minflt"] for r in results) / len(lat),
             "client_sys_us_per_req": sum(r["sys_s"] for r in results) / len(lat) * 1e6,
             "mismatches": sum(r["mismatches"] for r in results), "writes": writes,
+            # tokcache: reads served by the native fast path and by the Python one.
+            "paths": paths,
             # Objects each client's start-up left frozen (the fewest of any client; 0: not frozen).
             "gc_frozen_objects": min(r["frozen"] for r in results),
             "max_us": max(lat), "slowest": sorted(((x, r["index"], i) for r in results
@@ -374,6 +396,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="instead of --passes: this many conversations at every P, dealt to its processes in "
                          "turn (the same requests at every P; at P = 1 a --passes run's round lasts a tenth of "
                          "a second, which one hiccup of a shared machine moves by tens of percent)")
+    ap.add_argument("--in-flight", type=int, default=1,
+                    help="conversations each process serves at a time, taking turns (default 1: one after "
+                         "another; an API server serves many at once, each turn between others')")
     ap.add_argument("--turns", type=int, default=conversations.DEFAULT_TURNS)
     ap.add_argument("--target-bytes", type=int, default=conversations.DEFAULT_TARGET_BYTES)
     ap.add_argument("--seed", type=int, default=100)
@@ -401,6 +426,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error(f"unknown contenders {sorted(unknown)}")
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
+    if args.in_flight < 1:
+        ap.error("--in-flight must be at least 1")
     if args.prime_mb < 0:
         ap.error("--prime-mb must be 0 or more")
     if args.conversations < 0 or 0 < args.conversations < max(args.proc_list):
@@ -419,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
         "config": {"procs": args.proc_list, "rounds": args.rounds, "passes": args.passes,
                    "conversations": args.conversations, "turns": args.turns,
                    "target_bytes": args.target_bytes, "tokenizer_dir": str(tok_dir), "seed": args.seed,
-                   "gc_freeze": args.gc_freeze, "prime_mb": args.prime_mb},
+                   "gc_freeze": args.gc_freeze, "prime_mb": args.prime_mb, "in_flight": args.in_flight},
         "environment": {"python": platform.python_version(), "cpus": os.cpu_count(),
                         "loadavg_at_start": list(os.getloadavg()),
                         "balloon_free_page_reporting": balloon_reporting()},
@@ -433,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
              for c in range(args.conversations)]  # --conversations (none: --passes)
     shared = [] if convs else [texts_of(i, args, render) for i in range(max(args.proc_list))]
     for procs in args.proc_list:
-        texts = deal(convs, procs) if convs else shared
+        texts = deal(convs, procs, args.in_flight) if convs else shared
         rounds: list[dict[str, Any]] = []
         for rnd in range(args.rounds):
             # Alternate the order: a machine that slows down (or warms up) during a round then
@@ -473,6 +500,8 @@ def print_report(res: dict[str, Any]) -> None:
     cfg = res["config"]
     each = (f"{cfg['conversations']} conversations in all" if cfg.get("conversations")
             else f"{cfg['passes']} conversations")
+    if cfg.get("in_flight", 1) > 1:
+        each += f", {cfg['in_flight']} at a time per process"
     print(f"\n== concurrency: P client processes x {each} x {cfg['turns']} turns "
           f"(~{cfg['target_bytes'] / 1000:.0f} KB at the last turn), {res['environment']['cpus']} CPUs"
           + (f", {cfg['prime_mb']} MiB primed before each run" if cfg.get("prime_mb") else "") + " ==")
@@ -513,6 +542,12 @@ def print_report(res: dict[str, Any]) -> None:
                  if r and r.get("status") == "ok" and "vol_csw_per_req" in r
                  else f"{'-':>30}" for r in (runs.get(n) for n in names)]
         print(f"{procs:>3}  " + "".join(cells))
+    native = [(procs, n, r["paths"]) for procs, runs in res["runs"].items() for n, r in runs.items()
+              if r.get("status") == "ok" and r.get("paths")]
+    if native:
+        print("\nIn-process reads served by the native fast path (the rest: the Python path, same ids, more CPU)")
+        for procs, n, paths in native:
+            print(f"P={procs} {n}: {paths.get('native', 0)} of {sum(paths.values())}")
     for procs, rs in res["ratios"].items():
         print(f"P={procs}: " + ", ".join(f"{k} {v:.2f}" for k, v in rs.items()))
     if res.get("rounds"):

@@ -147,16 +147,21 @@ class LocalStats:
       and for_record (one of those stored after all, when an output was recorded for its text)
       and records_held (not a write: an output the sidecar recorded whose chain this process then
       offered to read and copy between turns, for the turn that continues it)
+    - ``paths``: requests answered in-process by the path that served them: ``native`` (the
+      fast path: the text extends one this process read lately, see
+      ``tokcache.engine.lookup.Lookup._extend``) or ``python`` (every other one; the same ids,
+      more CPU)
     """
 
     tokenize: Counter[str] = field(default_factory=Counter)
     fallbacks: Counter[str] = field(default_factory=Counter)
     writes: Counter[str] = field(default_factory=Counter)
     pending: Counter[str] = field(default_factory=Counter)
+    paths: Counter[str] = field(default_factory=Counter)
 
     def snapshot(self) -> dict[str, dict[str, int]]:
         return {"tokenize": dict(self.tokenize), "fallbacks": dict(self.fallbacks), "writes": dict(self.writes),
-                "pending": dict(self.pending)}
+                "pending": dict(self.pending), "paths": dict(self.paths)}
 
 
 Learn = Callable[[str, str, str, str], None]
@@ -1041,6 +1046,7 @@ class LocalPaths:
             return None
         d = result.decision
         self.stats.tokenize[d.source] += 1
+        self.stats.paths["native" if d.native else "python"] += 1
         out = local_result(result.ids, local.fingerprint, local.backend, d.source, d.cached_tokens, d.cached_chars,
                            d.encoded_chars, d.ar_spliced_tokens, d.boundaries, d.l1_disabled_reason)
         trace_local(model, local.fingerprint, out, mode, bool(cache_salt), t0, trace)

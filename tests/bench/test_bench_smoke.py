@@ -166,6 +166,25 @@ def test_concurrency_deals_the_same_conversations_at_every_p() -> None:
         parse_args(["--procs", "1,16", "--conversations", "8"])
 
 
+def test_concurrency_serves_in_flight_conversations_turn_about() -> None:
+    """--in-flight K: a process takes its conversations K at a time, turn t of each before turn
+    t + 1 of any (as an API server serving K agents sees them), every prompt once, each
+    conversation's turns in order; 1 is one conversation after another; 0 is refused."""
+    from bench.concurrency import deal, interleave, parse_args
+
+    convs = [[f"c{c} t{t}" for t in range(3 + c % 2)] for c in range(7)]
+    assert interleave(convs, 1) == [t for conv in convs for t in conv]
+    got = interleave(convs, 3)
+    assert sorted(got) == sorted(t for conv in convs for t in conv)
+    assert got[:3] == ["c0 t0", "c1 t0", "c2 t0"] and got[3:6] == ["c0 t1", "c1 t1", "c2 t1"]
+    for conv in convs:  # each conversation's turns in order
+        assert [t for t in got if t.split()[0] == conv[0].split()[0]] == conv
+    assert deal(convs, 2, 3) == [interleave(convs[0::2], 3), interleave(convs[1::2], 3)]
+    assert parse_args([]).in_flight == 1
+    with pytest.raises(SystemExit):
+        parse_args(["--in-flight", "0"])
+
+
 @pytest.mark.skipif(_sidecar_missing() is not None, reason=str(_sidecar_missing()))
 def test_cold_read_quick_run_reads_in_process_with_exact_ids(tmp_path: Path) -> None:
     """bench/cold_read.py: every read after each warm-up answered in this process, its ids the

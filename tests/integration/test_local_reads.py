@@ -120,6 +120,8 @@ def test_a_conversation_is_read_in_process_with_no_rpc_and_the_rpc_ids(
             assert again.token_ids == r.token_ids
         stats = local.stats()
         assert stats["tokenize"] == {"miss": 2, "l1": 7} and stats["writes"]["stored"] == 9
+        # Every turn after the first extended the one before: the native fast path served it.
+        assert stats["paths"] == {"python": 2, "native": 7}
 
 
 def test_async_client_reads_in_process_too(sidecar: tuple[SidecarProcess, int], qwen3_path: Path) -> None:

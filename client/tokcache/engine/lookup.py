@@ -220,6 +220,9 @@ class Decision:
     # A mark says a recorded output past the hit is on its way (see Lookup._pending): a
     # caller that can wait may ask again shortly; this result lacks that output's ids.
     ar_pending: bool = False
+    # Served by the native fast path (Lookup._extend) rather than the Python one: the same
+    # decision either way; counted, as a process whose fast path misses costs more CPU.
+    native: bool = False
     # Phase -> (perf_counter_ns start, end), for trace child spans.
     timings: dict[str, tuple[int, int]] = field(default_factory=dict)
 
@@ -615,7 +618,7 @@ class Lookup(Generic[Ids, Out]):
             j = keyed[pos]
             hit: _Hit[Ids] = _Hit(held, tokens, spans[j][1], key, j + 1)
             decision = Decision(source="l1", boundaries=len(spans), l1_disabled_reason=self.model.l1_disabled_reason,
-                                l0_hit=False, l1_hit=True)
+                                l0_hit=False, l1_hit=True, native=True)
             if ar:
                 decision.ar_prefix_hit = False
                 if ar_at >= 0:

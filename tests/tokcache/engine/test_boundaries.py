@@ -148,14 +148,21 @@ def test_a_rewritten_text_reuses_the_prefix_it_shares(qwen3_path: Path) -> None:
     assert reused > 100  # most rewrites shared enough to reuse a prefix
 
 
-def test_a_rewritten_history_extends_the_root_of_its_line(qwen3_path: Path) -> None:
+@pytest.mark.parametrize("recent", [4, boundaries._MEMO_RECENT])
+def test_a_rewritten_history_extends_the_root_of_its_line(qwen3_path: Path, recent: int) -> None:
     """A template that rewrites history when the user speaks (Qwen3 drops the reasoning of the
     turns since the user's previous message) renders a text that extends none of the latest
     texts but the one its conversation's line of turns started from: the first prompt, or the
     previous rewrite. The scanner finds that text (the root of a latest text's line, or one of
-    the latest roots) and scans only what was appended to it; the rewrite starts a line of its
-    own. Every scan equals a full scan, with other conversations interleaved, from str and
-    from UTF-8 alike."""
+    the latest roots) and scans only what was appended to it. Every scan equals a full scan,
+    with other conversations interleaved, from str and from UTF-8 alike.
+
+    With 4 latest texts the first prompts have left them (3 conversations, each with a first
+    prompt and a latest text): a rewrite is found as a root and starts a line of its own. With
+    the default, a first prompt (which the second prompt rewrote at its end, so nothing
+    superseded it) is still among the latest when the first rewrite comes: the rewrite is
+    found there and continues its line, and every later rewrite is scanned from that line's
+    root at least, as with one conversation at a time and 4."""
     import random
 
     path, check, added = _qwen3_parts(qwen3_path)
@@ -165,9 +172,9 @@ def test_a_rewritten_history_extends_the_root_of_its_line(qwen3_path: Path) -> N
     def words(n: int) -> str:
         return " ".join(rng.choice(["read", "file", "ok", "命令", "é", "🛠"]) for _ in range(n))
 
-    for scanner, as_bytes in ((BoundaryScanner.from_tokenizer(path, check), False),
-                              (BoundaryScanner.from_tokenizer(path, check), True),
-                              (BoundaryScanner(added, check.boundary_tokens, native=False), False)):
+    for scanner, as_bytes in ((BoundaryScanner.from_tokenizer(path, check, recent=recent), False),
+                              (BoundaryScanner.from_tokenizer(path, check, recent=recent), True),
+                              (BoundaryScanner(added, check.boundary_tokens, native=False, recent=recent), False)):
         def scan(text: str, scanner: BoundaryScanner = scanner, as_bytes: bool = as_bytes) -> boundaries.Scan:
             got = scanner.scan(text.encode()) if as_bytes else scanner.scan_text(text)
             assert got.data == text.encode() and got.spans == fresh.spans(got.data)
@@ -195,8 +202,11 @@ def test_a_rewritten_history_extends_the_root_of_its_line(qwen3_path: Path) -> N
                 text = (line_root[c] + f"<tool_call>{words(30)}</tool_call><|im_end|>\n"
                         f"<|im_start|>user\nround {round_}: {words(40)}<|im_end|>\n<|im_start|>assistant\n")
                 got = scan(text)
-                assert got.base_len == len(line_root[c].encode()), (round_, c)
-                assert got.root is None  # a line of its own
+                if recent == 4:
+                    assert got.base_len == len(line_root[c].encode()), (round_, c)
+                    assert got.root is None  # a line of its own
+                else:  # the first prompt's line: every rewrite is scanned from there at least
+                    assert got.base_len >= len(first[c].encode()), (round_, c)
                 line_root[c] = latest[c] = text
         assert len(scanner._roots) <= boundaries._MEMO_ROOTS
 

@@ -212,6 +212,47 @@ def test_native_and_python_paths_agree_along_long_chats(engine: ModelEngine, mod
         assert ref.heads.used == 0
 
 
+@pytest.mark.parametrize("mode", ["exact", "kv-stable"])
+def test_many_conversations_in_flight_take_the_native_path(engine: ModelEngine, model: ReadModel,
+                                                           own_model: ReadModel, mode: str,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process serving many conversations at once (an API server: each turn of one comes
+    between turns of the others) finds each one's previous turn among its latest texts: the
+    native path serves every turn but a conversation's first, with the Python path's ids on
+    the same segment. (With the 4 latest texts it kept before, 12 conversations in flight sent
+    every such turn past the native path: its only other way in is the roots of a rewritten
+    history; the Python path found them by anchor.)"""
+    counting = _Counting(lookup_mod._native)
+    monkeypatch.setattr(lookup_mod, "_native", counting)
+    convs, turns = 12, 6
+    with _segment(engine) as (store, reader):
+        fast_memo: ChainMemo[Chunks] = ChainMemo(LISTS)
+        fast: Lookup[Chunks, list[int]] = Lookup(own_model, reader, fast_memo, defer=True)
+        ref: Lookup[Chunks, list[int]] = Lookup(model, reader, ChainMemo(LISTS))
+        rng = random.Random(f"in-flight-{engine.name}-{mode}")
+        chats: list[list[dict[str, Any]]] = [[{"role": "system", "content": f"agent {c}: " + _para(rng, 150)}]
+                                             for c in range(convs)]
+        for turn in range(turns):
+            for c, msgs in enumerate(chats):
+                msgs.append({"role": "user", "content": _para(rng, rng.randint(20, 200))})
+                text = engine.render(msgs, add_generation_prompt=True)
+                got = fast.tokenize(text, add_special_tokens=False, mode=mode)
+                monkeypatch.setattr(lookup_mod, "_native", None)
+                want = ref.tokenize(text, add_special_tokens=False, mode=mode)
+                monkeypatch.setattr(lookup_mod, "_native", counting)
+                assert got.ids == want.ids, (turn, c, got.decision, want.decision)
+                if mode == "exact":
+                    assert got.ids == engine.reference.encode(text), (turn, c)
+                assert got.later is not None
+                write, ready = fast.settle(got.later)
+                if ready is not None:
+                    fast.heads.build(ready)
+                if write is not None:
+                    commit(store, fast_memo, write)
+                msgs.append({"role": "assistant", "content": _para(rng, rng.randint(5, 60))})
+    assert counting.served >= convs * (turns - 1), (counting.served, counting.calls)
+
+
 @pytest.mark.parametrize("mode,record", [("exact", False), ("kv-stable", False), ("kv-stable", True)],
                          ids=["exact", "kv", "kv-recorded"])
 def test_the_sidecar_serves_rpc_text_natively(engine: ModelEngine, model: ReadModel, mode: str, record: bool,
