@@ -204,7 +204,12 @@ class AREmulator:
         assert got == text, f"emulated ids do not decode to the text: {got!r} != {text!r}"
         ids = out + ([self.eos_id] if eos and self.eos_id is not None else [])
         if eos and self.eos_id is not None:
-            assert self.tok.decode(ids, skip_special_tokens=True) == text
+            eos_text = self.tok.decode([self.eos_id], skip_special_tokens=False)
+            assert self.tok.decode(ids, skip_special_tokens=False) == text + eos_text
+            # Decoding as a server does drops the EOS, and with it any special token the text
+            # holds as its own (a text "<|im_end|>" encodes to that token): checked where none.
+            if self.tok.decode(canon, skip_special_tokens=True) == text:
+                assert self.tok.decode(ids, skip_special_tokens=True) == text
         return Emulated(ids=ids, canonical=canon, rate_target=rate, rewritten=rewritten,
                         by_kind=dict(by_kind), eos_id=self.eos_id if eos else None)
 

@@ -6,7 +6,7 @@ import random
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
@@ -73,6 +73,7 @@ def test_eos_is_optional(emulator: AREmulator) -> None:
                      "<tool_call>", "</tool_call>", '{"k": [1, 2]}', "```py", "  \n", "\u3000"]),
     st.text(st.characters(codec="utf-8", categories=["L", "N", "P", "S", "Zs"]), max_size=12),
 ), max_size=30).map("".join), rate=st.sampled_from([0.01, 0.05, 0.5, 1.0]), seed=st.integers(0, 2**32))
+@example(text="<|im_end|>", rate=0.01, seed=0)  # a special token's own text (hypothesis found it in CI's run)
 def test_decode_equals_text_property(text: str, rate: float, seed: int) -> None:
     em = _QWEN
     canon = em.tok.encode(text, add_special_tokens=False).ids
