@@ -53,6 +53,7 @@ Run: ``python bench/concurrency.py`` (``--quick``: P = 1, 4 and fewer turns). Wr
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
 import json
 import multiprocessing as mp
@@ -325,14 +326,7 @@ def run_one(name: str, procs: int, args: argparse.Namespace, tok_dir: Path,
     lat = [x for r in results for x in r["lat_us"]]
     end = max(r["t_end"] for r in results)
     wall = end - start
-    writes: dict[str, int] = {}
-    for r in results:
-        for k, v in (r["stats"].get("writes") or {}).items():
-            writes[k] = writes.get(k, 0) + v
-    paths: dict[str, int] = {}
-    for r in results:
-        for k, v in (r["stats"].get("paths") or {}).items():
-            paths[k] = paths.get(k, 0) + v
+    writes, paths = _summed(results, "writes"), _summed(results, "paths")
     client_cpu = sum(r["cpu_s"] for r in results)
     return {"status": "ok", "requests": len(lat), "wall_s": wall, "req_per_s": len(lat) / wall,
             # CPU per request: every client process's (over its loop and the flush of its
@@ -352,6 +346,14 @@ def run_one(name: str, procs: int, args: argparse.Namespace, tok_dir: Path,
                                                    for i, x in enumerate(r["lat_us"])), reverse=True)[:5],
             "served_by_local": sum((r["stats"].get("tokenize") or {}).get(k, 0)
                                    for r in results for k in ("miss", "l0", "l1", "ar"))}
+
+
+def _summed(results: list[dict[str, Any]], name: str) -> dict[str, int]:
+    """The clients' ``stats()[name]`` counters, summed over every client process."""
+    total: collections.Counter[str] = collections.Counter()
+    for r in results:
+        total.update(r["stats"].get(name) or {})
+    return dict(total)
 
 
 RATIOS = (("tokcache", "fastokens+seg"), ("tokcache", "fastokens"), ("tokcache", "smg"), ("tokcache-rpc", "smg"),

@@ -380,9 +380,10 @@ class BoundaryScanner:
         # re-encodes, and re-hashes) only what it appended. Guarded by _lock (the memo is
         # shared by the threads of a process); _bytes is its weight.
         self._memo: OrderedDict[tuple[bool, int, int], list[Scan]] = OrderedDict()
-        # The latest few texts, newest first, tried before the anchors: a process serving a
-        # few conversations at a time finds each one's previous turn here with one compare.
-        # A text leaves it for the anchors when newer ones push it out.
+        # The latest texts (up to ``recent``), newest first, tried before the anchors: a process
+        # serving that many conversations at a time finds each one's previous turn here, which
+        # the native fast path can use (it never probes anchors). A text leaves it for the
+        # anchors when newer ones push it out.
         self._recent: list[Scan] = []
         self._recent_max = recent
         # The latest texts that extended none of the latest ones (see _MEMO_ROOTS), newest
