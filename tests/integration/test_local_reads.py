@@ -625,6 +625,85 @@ def test_the_next_turn_stores_the_previous_turns_write_in_its_own_thread(
         assert c.flush(5)
 
 
+def test_the_background_thread_looks_seldom_while_requests_come_back_to_back(
+        sidecar: tuple[SidecarProcess, int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """While each look of the background thread finds a request being served, its tick and the
+    cap of its backoff grow (up to BUSY_TICK_S), and it stores a queued write at most once a
+    BUSY_TICK_S, leaving the rest to the requests: each look takes the GIL from a request. Once
+    requests pause, it stores what is queued, unflushed. Two 4 s bursts of 20 conversations turn
+    about (each turn stores its conversation's previous write inline; QUEUE_SOFT raised, so
+    none is stored for the queue's length), requests kept "being served" throughout as where
+    they overlap: first with BUSY_TICK_S = WRITER_TICK_S (the thread's looks as they were), then
+    as shipped. The thread's looks are its condition waits, counted as they end, in each
+    burst's last 1.5 s."""
+    import threading
+
+    from sidecar_client import _local
+
+    proc, _ = sidecar
+    monkeypatch.setattr(_local, "QUEUE_SOFT", 10_000)
+    stored_by: list[tuple[str, float]] = []
+    real_commit = _local.commit
+
+    def commit(*args: object, **kwargs: object) -> object:
+        stored_by.append((threading.current_thread().name, time.monotonic()))
+        return real_commit(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_local, "commit", commit)
+    convs = [f"<|im_start|>system\nagent {k}<|im_end|>\n" for k in range(20)]
+    looks: list[float] = []
+
+    def burst(c: SidecarClient, writer: Any, seconds: float) -> tuple[int, int, list[float]]:
+        """(requests, the thread's looks in the last 1.5 s, its stores) in ``seconds`` of
+        back-to-back requests, then a pause until the thread stored everything queued."""
+        looks.clear()
+        stored_by.clear()
+        writer.note_done = lambda: None  # the requests overlap: always one being served
+        n = 0
+        try:
+            end = time.monotonic() + seconds
+            while time.monotonic() < end:
+                k = n % len(convs)
+                convs[k] += f"<|im_start|>user\nturn {n}: what of x, y and z?<|im_end|>\n<|im_start|>assistant\n"
+                c.tokenize("qwen3", text=convs[k], add_special_tokens=False)
+                convs[k] += f"step {n} done.<|im_end|>\n"
+                n += 1
+            done = time.monotonic()
+        finally:
+            del writer.note_done
+        writer.note_done()
+        deadline = time.monotonic() + 10
+        while not writer.idle and time.monotonic() < deadline:  # a pause: stored with no flush
+            time.sleep(0.05)
+        assert writer.idle, "queued writes not stored in a pause"
+        assert any(t >= done for name, t in stored_by if name != threading.main_thread().name)
+        mine = [t for name, t in stored_by if name != threading.main_thread().name and t < done]
+        return n, len([t for t in looks if done - 1.5 <= t < done]), mine
+
+    with SidecarClient(proc.address, min_write_bytes=0) as c:
+        local = _opened(c)
+        c.tokenize("qwen3", text="warm up: start the background thread")
+        writer = local.writer
+        real_wait = writer._work.wait
+
+        def wait(timeout: float | None = None) -> bool:
+            try:
+                return real_wait(timeout)
+            finally:
+                looks.append(time.monotonic())
+
+        writer._work.wait = wait
+        monkeypatch.setattr(_local, "BUSY_TICK_S", _local.WRITER_TICK_S)
+        n_old, looks_old, _ = burst(c, writer, 4.0)
+        monkeypatch.setattr(_local, "BUSY_TICK_S", 1.0)
+        n_new, looks_new, stores = burst(c, writer, 4.0)
+    assert n_old >= 40 and n_new >= 40, (n_old, n_new)
+    # The last 1.5 s of a burst: ~15 looks at a 100 ms tick; 1-2 once the tick has grown (the
+    # backoff for a pause doubles from HEADS_QUIET_S: ~10 looks to reach a second).
+    assert looks_new <= 3 and looks_old >= 8, (looks_new, looks_old)
+    assert len(stores) <= 5, stores  # at most one a BUSY_TICK_S
+
+
 def test_a_busy_writer_lock_holds_a_request_for_an_inline_lock_wait_at_most(
         sidecar: tuple[SidecarProcess, int], qwen3_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A request that finds its conversation's previous write queued tries to store it first,
