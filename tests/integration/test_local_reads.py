@@ -396,6 +396,15 @@ def test_the_plugin_opens_the_segment_during_its_handshake(
         assert link.client().local._models == {"qwen3": local}  # type: ignore[union-attr]
         out = await link.tokenize("<|im_start|>user\nhi<|im_end|>\n", add_special_tokens=False, cache_salt=None)
         assert isinstance(out, Served) and out.served_by == "local"
+        # The client counts its read paths into the plugin's own counter (tokcache_vllm_read_path):
+        # a first read takes the Python path; a turn that extends a stored one, the native path.
+        assert link.stats.paths == {"python": 1}
+        assert link.client().local.stats.paths is link.stats.paths  # type: ignore[union-attr]
+        turn = "<|im_start|>user\n" + "Summarise the log above, line by line. " * 200 + "<|im_end|>\n"
+        for text in (turn, turn + "<|im_start|>assistant\nDone.<|im_end|>\n<|im_start|>user\nmore<|im_end|>\n"):
+            out = await link.tokenize(text, add_special_tokens=False, cache_salt=None)
+            assert isinstance(out, Served) and out.served_by == "local"
+        assert link.stats.paths == {"python": 2, "native": 1}
         await link.close()
 
     asyncio.run(main())

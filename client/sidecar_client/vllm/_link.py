@@ -165,6 +165,7 @@ class SidecarLink:
                                               channel_options=CHANNEL_OPTIONS[len(_core.CHANNEL_OPTIONS):])
             if self._client.local is not None:
                 self._client.local.stats.pending = self.stats.pending  # counted as plugin metrics too
+                self._client.local.stats.paths = self.stats.paths
                 if self._models:
                     self._client.local.set_models(self._models)
             self._loop = loop

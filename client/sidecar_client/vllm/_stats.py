@@ -57,6 +57,9 @@ _FAMILIES: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
     "served": ("tokcache_vllm_served", "Prompts the cache answered, by where the decision was made (local: in "
                "vLLM's process from the node's shared memory, no RPC; sidecar: its Tokenize RPC)",
                "path", ("local", "sidecar")),
+    "paths": ("tokcache_vllm_read_path", "Prompts read in vLLM's process (served path local), by the read path that "
+              "served them (native: the C fast path; python: the reference path, the same ids for more CPU)",
+              "path", ("native", "python")),
 }
 # Seconds to produce a prompt's ids, by path: local, sidecar, vllm (vLLM's own tokenizer,
 # when the plugin falls back or observes only).
@@ -101,6 +104,8 @@ class PluginStats:
     - ``record_skips``: finished choices not sent, by reason (stop_string, not_served, ...)
     - ``pending``: records marked as on their way and prompts that waited for one (the
       in-process client's ``LocalStats.pending``: the same object)
+    - ``paths``: prompts read in vLLM's process, by the read path that served them (native,
+      python; the in-process client's ``LocalStats.paths``: the same object)
 
     After :func:`install_prometheus`, increases of the counters and of the numbers
     named in ``_SCALARS`` are mirrored into prometheus metrics as they happen.
@@ -112,6 +117,7 @@ class PluginStats:
     records: Counter[str] = field(default_factory=MirroredCounter)
     record_skips: Counter[str] = field(default_factory=MirroredCounter)
     pending: Counter[str] = field(default_factory=MirroredCounter)  # the in-process client's, shared
+    paths: Counter[str] = field(default_factory=MirroredCounter)  # the in-process client's, shared
     cached_tokens: int = 0
     ar_spliced_tokens: int = 0
     record_waits: int = 0
@@ -155,7 +161,8 @@ class PluginStats:
 
     def snapshot(self) -> dict[str, Any]:
         """A JSON-able copy (for logs and tests)."""
-        return {"tokenize": dict(self.tokenize), "served": dict(self.served), "fallbacks": dict(self.fallbacks),
+        return {"tokenize": dict(self.tokenize), "served": dict(self.served), "paths": dict(self.paths),
+                "fallbacks": dict(self.fallbacks),
                 "records": dict(self.records), "record_skips": dict(self.record_skips),
                 "cached_tokens": self.cached_tokens, "ar_spliced_tokens": self.ar_spliced_tokens,
                 "record_waits": self.record_waits, "response_waits": self.response_waits,
