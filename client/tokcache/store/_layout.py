@@ -112,6 +112,8 @@ W_MARKS: Final = 63  # pending-record marks put (Store.mark): while 0, readers p
 W_SOFT_CAP: Final = 64  # byte 512: arena bytes writers may use; 0 = the whole arena
 W_RELEASE_TAIL: Final = 65  # tail when arena pages were last given back
 W_RELEASED: Final = 66  # bytes of arena pages given back (madvise MADV_REMOVE), cumulative
+W_MARKS_UNTIL: Final = 67  # the latest expiry (Unix s) of a mark put: none can be live from then on
+W_MARKS_AT: Final = 68  # W_MARKS when W_MARKS_UNTIL was last set (else: a mark not in it, e.g. an older writer's)
 # The manifest: what a reader needs to use the segment without asking the sidecar
 # (tokenizer facts the sidecar proved: encoder backend, boundary tokens, affixes...), as
 # JSON, published by the sidecar under the writer lock and read with a sequence lock:
@@ -119,7 +121,22 @@ W_RELEASED: Final = 66  # bytes of arena pages given back (madvise MADV_REMOVE),
 MANIFEST_OFF: Final = 1024
 MANIFEST_HEAD: Final = struct.Struct("<QII16s")
 MANIFEST_MAX: Final = HEADER_SIZE - MANIFEST_OFF - MANIFEST_HEAD.size
-assert MANIFEST_OFF >= (W_RELEASED + 1) * 8
+assert MANIFEST_OFF >= (W_MARKS_AT + 1) * 8
+
+
+def marks_may_live(words: Any, now: float) -> bool:
+    """Whether a pending-record mark (``Store.mark``) may be live at ``now`` (Unix s) in the
+    segment whose header ``words`` (u64) are: one was put and not every mark's expiry has
+    passed. False once the latest expiry is a second behind (a withdrawal is a mark too). A
+    mark its writer did not record in W_MARKS_UNTIL (W_MARKS_AT behind W_MARKS: an older
+    writer, or one between the two words) may live forever. Lock-free: the writer bumps
+    W_MARKS, then sets W_MARKS_UNTIL, then W_MARKS_AT."""
+    n = words[W_MARKS]
+    if n == 0:
+        return False
+    return bool(words[W_MARKS_AT] != n or now < words[W_MARKS_UNTIL] + 1)
+
+
 # Eight arbitrary bytes: a random write landing on W_RETIRED must not retire a segment.
 RETIRED_MARK: Final = int.from_bytes(b"RETIRED!", "little")
 

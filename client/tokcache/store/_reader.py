@@ -28,6 +28,7 @@ from ._layout import (
     W_RETIRED,
     W_TAIL,
     ZERO_KEY,
+    marks_may_live,
     unpack_static,
     widen,
 )
@@ -170,6 +171,12 @@ class StoreReader:
         if self._closed:
             raise StoreClosed(f"{self.name} is closed")
         return self._words[W_MARKS] > 0
+
+    def marks_live(self, now: float) -> bool:
+        """Whether a mark put in this segment may be live at ``now`` (see :meth:`Store.marks_live`)."""
+        if self._closed:
+            raise StoreClosed(f"{self.name} is closed")
+        return marks_may_live(self._words, now)
 
     def get(self, key: bytes) -> bytes | None:
         """The ids stored for ``key`` (packed LE uint32), or None; see :meth:`Store.get`.

@@ -54,6 +54,8 @@ from ._layout import (
     W_HEAD,
     W_HITS,
     W_MARKS,
+    W_MARKS_AT,
+    W_MARKS_UNTIL,
     W_MISSES,
     W_PUTS,
     W_RELEASE_TAIL,
@@ -61,6 +63,7 @@ from ._layout import (
     W_SOFT_CAP,
     W_TAIL,
     ZERO_KEY,
+    marks_may_live,
     narrow,
     widen,
 )
@@ -289,6 +292,13 @@ class Store:
             raise StoreClosed(f"{self.name} is closed")
         return self._words[W_MARKS] > 0
 
+    def marks_live(self, now: float) -> bool:
+        """Whether a mark put here may be live at ``now`` (Unix s): :meth:`marks`, until every
+        mark's expiry has passed (``_layout.marks_may_live``; lock-free, O(1))."""
+        if self._mm is None:
+            raise StoreClosed(f"{self.name} is closed")
+        return marks_may_live(self._words, now)
+
     def mark(self, key: bytes, expiry: int, *, lock_timeout: float | None = None) -> bool:
         """Map ``key`` to an empty record that expires at ``expiry`` (Unix seconds; a past
         second such as 1 withdraws an earlier mark): a *mark*, which says something about
@@ -308,7 +318,10 @@ class Store:
             if bounds is None:
                 return False
             head, tail = bounds
-            self._words[W_MARKS] += 1
+            words = self._words
+            words[W_MARKS] += 1
+            words[W_MARKS_UNTIL] = max(words[W_MARKS_UNTIL], expiry)  # (see marks_live)
+            words[W_MARKS_AT] = words[W_MARKS]
             self._append(head, tail, size, None, b"", [(key, 0, Kind.L1, expiry)], Kind.L1, expiry, 0, now,
                          self._log.cap())
             self._words[W_PUTS] += 1

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import gc
 import random
+import time
 import uuid
 from collections import OrderedDict, deque
 from collections.abc import Iterator
@@ -251,6 +252,53 @@ def test_many_conversations_in_flight_take_the_native_path(engine: ModelEngine, 
                     commit(store, fast_memo, write)
                 msgs.append({"role": "assistant", "content": _para(rng, rng.randint(5, 60))})
     assert counting.served >= convs * (turns - 1), (counting.served, counting.calls)
+
+
+def test_a_mark_keeps_kv_stable_reads_off_the_native_path_only_while_it_may_live(
+        engine: ModelEngine, model: ReadModel, own_model: ReadModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pending-record mark (a response went before its record) sends kv-stable reads to the
+    Python path, which waits for what a live mark announces; once every mark's expiry has
+    passed they take the native path again, with the Python path's ids on the same segment.
+    (One mark used to keep every kv-stable read on the node off the native path for the
+    segment's life: make e2e's plugin server read 0 of 48 prompts natively after its
+    hung-sidecar test.)"""
+    counting = _Counting(lookup_mod._native)
+    monkeypatch.setattr(lookup_mod, "_native", counting)
+    with _segment(engine) as (store, reader):
+        fast_memo: ChainMemo[Chunks] = ChainMemo(LISTS)
+        fast: Lookup[Chunks, list[int]] = Lookup(own_model, reader, fast_memo, defer=True)
+        ref: Lookup[Chunks, list[int]] = Lookup(model, reader, ChainMemo(LISTS))
+        rng = random.Random(f"marks-{engine.name}")
+        msgs: list[dict[str, Any]] = [{"role": "system", "content": _para(rng, 150)}]
+
+        def turn() -> bool:
+            """One turn, checked against the Python path; True when the native path served it."""
+            msgs.append({"role": "user", "content": _para(rng, rng.randint(20, 200))})
+            text = engine.render(msgs, add_generation_prompt=True)
+            served = counting.served
+            got = fast.tokenize(text, add_special_tokens=False, mode="kv-stable")
+            native = counting.served > served
+            monkeypatch.setattr(lookup_mod, "_native", None)
+            want = ref.tokenize(text, add_special_tokens=False, mode="kv-stable")
+            monkeypatch.setattr(lookup_mod, "_native", counting)
+            assert got.ids == want.ids, (got.decision, want.decision)
+            assert got.later is not None
+            write, _ready = fast.settle(got.later)
+            if write is not None:
+                commit(store, fast_memo, write)
+            msgs.append({"role": "assistant", "content": _para(rng, rng.randint(5, 60))})
+            return native
+
+        assert [turn() for _ in range(3)][1:] == [True, True]
+        assert not reader.marks_live(time.time())
+        assert store.mark(bytes(range(1, 17)), int(time.time()) + 1)  # another text's output on its way
+        assert reader.marks_live(time.time()) and store.marks_live(time.time())
+        assert [turn(), turn()] == [False, False]  # the Python path, which probes for a live mark
+        deadline = time.monotonic() + 5
+        while reader.marks_live(time.time()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not reader.marks_live(time.time()) and reader.marks()  # expired, though one was put
+        assert [turn(), turn()] == [True, True]
 
 
 @pytest.mark.parametrize("mode,record", [("exact", False), ("kv-stable", False), ("kv-stable", True)],

@@ -100,6 +100,15 @@ def test_a_mark_lives_until_its_own_expiry_and_a_past_one_withdraws_it(open_stor
         clock.now += 10
         assert reader.last_present([a, b], 0, 2) == -1 and not reader.probe(a)
         assert store.marks()  # once marked, readers keep looking
+        # ... but none can be live once the latest expiry is a second behind (the native fast
+        # path is open again: tokcache.engine.lookup.Lookup._extend)
+        assert reader.marks_live(clock.now) and store.marks_live(clock.now)  # (expiry + 0 s)
+        assert not reader.marks_live(clock.now + 1) and not store.marks_live(clock.now + 1)
+        assert store.mark(a, int(clock.now) + 30)
+        assert reader.marks_live(clock.now + 29) and not reader.marks_live(clock.now + 31)
+        from tokcache.store._layout import W_MARKS
+        store._words[W_MARKS] += 1  # a mark whose writer did not record its expiry (an older one)
+        assert reader.marks_live(clock.now + 10_000) and store.marks_live(clock.now + 10_000)
         for bad in (0, -1, 1 << 32):
             with pytest.raises(ValueError, match="expiry"):
                 store.mark(a, bad)
