@@ -80,48 +80,6 @@ INLINE_LOCK_S = 0.01  # how long a request storing its previous turn's write wai
 # turn (a model's answer and the agent's tool call take longer).
 WRITER_TICK_S = 0.1
 WRITER_PARK_TICKS = 10
-# While every look of the background thread finds no pause (a request being served, or one ended
-# less than HEADS_QUIET_S ago: back-to-back load), its tick, and the cap of its backoff waiting
-# for a pause, grow with how long that has lasted, up to this; and writes it finds queued are
-# stored at most once this often (the requests store their own conversations' writes meanwhile,
-# settle_related, and the oldest past QUEUE_SOFT). Each look takes the GIL from a request (and,
-# with more busy processes than cores, may hand the core to another process). bench/concurrency.py
-# --procs 16 --conversations 512, tokcache alone, 100 ms tick against none at all (a 30 s tick),
-# two pairs: client CPU per request 201 / 206 against 197 / 196 µs, voluntary context switches
-# per request 0.13 against 0.04, involuntary 0.08 against 0.06. A look that finds a pause starts
-# over at WRITER_TICK_S: a process with pauses between requests stores as soon as before.
-BUSY_TICK_S = 1.0
-
-
-class _Busy:
-    """The background thread's view of back-to-back load (see BUSY_TICK_S): since when each of
-    its looks found no pause, and when it next stores a write anyway."""
-
-    def __init__(self) -> None:
-        self.since: float | None = None
-        self._due = 0.0
-
-    def look(self, busy: bool, now: float) -> float:
-        """Note a look (``busy``: it found no pause) and return the tick: WRITER_TICK_S unless
-        the looks found no pause for longer, then that long, up to BUSY_TICK_S."""
-        if not busy:
-            self.since = None
-            return WRITER_TICK_S
-        if self.since is None:
-            self.since, self._due = now, now + BUSY_TICK_S
-        return min(BUSY_TICK_S, max(WRITER_TICK_S, now - self.since))
-
-    def defer(self, now: float) -> float:
-        """Seconds to leave the queued writes to the requests (0: store one now; the next then
-        waits BUSY_TICK_S more). Not busy: 0."""
-        if self.since is None:
-            return 0.0
-        if now >= self._due:
-            self._due = now + BUSY_TICK_S
-            return 0.0
-        return self._due - now
-
-
 # A read whose uncached tail is shorter than this many UTF-8 bytes stores nothing. This
 # process re-encodes none of it (its next turn starts from its own previous encoding, see
 # Lookup._canonical_tail); another process that gets the conversation's next turn encodes at
@@ -528,16 +486,13 @@ class WriteBehind:
     def _loop(self) -> None:
         idle = 0
         backoff = HEADS_QUIET_S  # the shortest wait for a pause (see HEADS_QUIET_S)
-        busy = _Busy()
         while True:
             settle = False
             item = None
             with self._lock:
                 while True:
                     settler = self.settler
-                    now = time.monotonic()
-                    tick = busy.look(self._quiet_in() > 0, now)
-                    wait_s = tick
+                    wait_s = WRITER_TICK_S
                     if settler.pending:  # settled once requests pause, before writes (it makes them)
                         left = self._quiet_in()
                         if left <= 0:
@@ -546,22 +501,17 @@ class WriteBehind:
                         wait_s = min(wait_s, max(left, backoff))
                     item = None if self._busy else next((i for i in self._items if i.state == 0), None)
                     if item is not None:
-                        later = busy.defer(now) if len(self._items) <= QUEUE_SOFT and not self._closed else 0.0
-                        if later <= 0:
-                            break
-                        item = None  # left to the requests for now (see BUSY_TICK_S)
-                        wait_s = min(wait_s, later)
+                        break
                     if self.heads.offered:  # built once requests pause (see Heads.quiet_in)
                         left = self._quiet_in(self.heads.quiet_in(HEADS_QUIET_S))
                         if left <= 0:
                             break
                         wait_s = min(wait_s, max(left, backoff))
-                    if wait_s < tick:  # waiting for a pause that has not come: later next time
-                        backoff = min(2 * backoff, tick)
+                    if wait_s < WRITER_TICK_S:  # waiting for a pause that has not come: later next time
+                        backoff = min(2 * backoff, WRITER_TICK_S)
                     if self._closed:
                         return
-                    if (idle >= WRITER_PARK_TICKS and not self.heads.offered and not settler.pending
-                            and not self._items):  # park
+                    if idle >= WRITER_PARK_TICKS and not self.heads.offered and not settler.pending:  # park
                         self._parked = True
                         self._work.wait()
                         self._parked = False
