@@ -592,10 +592,10 @@ class Lookup(Generic[Ids, Out]):
         t0 = time.perf_counter_ns()
         try:
             now = time.time()
-            # The Python path waits for what a live mark announces. Only while one may be live: a
-            # single response that went before its record (a slow sidecar) made every kv-stable
-            # read on the node take the Python path for the segment's life (make e2e's plugin
-            # server, after its hung-sidecar test: 0 of 48 reads native).
+            # The Python path waits for what a live mark announces. Only while one may be live:
+            # tested as "a mark was ever put", a single response that went before its record (a
+            # slow sidecar) sent every kv-stable read on the node down the Python path for the
+            # segment's life.
             if tag == MODE_KV_STABLE and store.marks_live(now):
                 return None
             ar = tag == MODE_KV_STABLE and store.holds_ar()

@@ -324,7 +324,7 @@ class Store:
             words[W_MARKS_AT] = words[W_MARKS]
             self._append(head, tail, size, None, b"", [(key, 0, Kind.L1, expiry)], Kind.L1, expiry, 0, now,
                          self._log.cap())
-            self._words[W_PUTS] += 1
+            words[W_PUTS] += 1
             return True
 
     def version(self, key: bytes) -> int | None:
