@@ -576,11 +576,12 @@ class Lookup(Generic[Ids, Out]):
     def _extend(self, text: str, *, add_special_tokens: bool, salt: str, mode: str,
                 tier: bool) -> Result[Ids, Out] | None:
         """The native fast path (``_speedups.extend``) of :meth:`tokenize` for the common case:
-        ``text`` extends one this process tokenized, no mark says a recorded output is on its
-        way, and the L1 hit is a keyed cut in the window whose chain this process holds. When
-        recorded outputs may apply (kv-stable, AR in the segment) the native call also makes
-        the AR keys past that cut and finds the highest live one, whose chain is read here as
-        the Python path reads it. None: :meth:`tokenize` serves it from the start.
+        ``text`` extends one this process tokenized and the L1 hit is a keyed cut in the window
+        whose chain this process holds. When recorded outputs may apply (kv-stable, AR in the
+        segment) the native call also makes the AR keys past that cut and finds the highest
+        live one, whose chain is read here as the Python path reads it; while a pending-record
+        mark may be live (kv-stable), the marks of those keys past the hit are probed here
+        (``Decision.ar_pending``). None: :meth:`tokenize` serves it from the start.
 
         The same decision as the Python path, by construction (the same keys, probes and
         window) and by test (both run on the same histories).
@@ -592,12 +593,12 @@ class Lookup(Generic[Ids, Out]):
         t0 = time.perf_counter_ns()
         try:
             now = time.time()
-            # The Python path waits for what a live mark announces. Only while one may be live:
-            # tested as "a mark was ever put", a single response that went before its record (a
-            # slow sidecar) sent every kv-stable read on the node down the Python path for the
-            # segment's life.
-            if tag == MODE_KV_STABLE and store.marks_live(now):
-                return None
+            # While a pending-record mark may be live, this text's own marks are probed past the
+            # hit as the Python path probes them (_pending), from the AR keys the native call
+            # makes then. (Leaving every kv-stable read to the Python path while any mark lived
+            # took make e2e's plugin server off the native path for a mark's life, ~21 s after
+            # each late record: a busy node whose sidecar is slow would never have been on it.)
+            marked = tag == MODE_KV_STABLE and store.marks_live(now)
             ar = tag == MODE_KV_STABLE and store.holds_ar()
             ctx = self._fast_ctx
             if ctx is None or ctx[0] is not store:
@@ -612,7 +613,7 @@ class Lookup(Generic[Ids, Out]):
             ns = (salt, tag)
             # The latest texts, then the roots a rewritten history extends (BoundaryScanner.bases).
             bases, latest = self.model.scanner.bases()
-            got = _native.extend(text, bases, ns, ctx[1], store.tail(), now, ar)
+            got = _native.extend(text, bases, ns, ctx[1], store.tail(), now, ar or marked)
             if got is None:
                 return None
             (base, data, spans, tail, tail_from, kept_end, stable, keyed, keys_list, state_hasher, state_cut, exact,
@@ -631,6 +632,8 @@ class Lookup(Generic[Ids, Out]):
                     hit = self._ar_hit(store, ar_keys, j, ar_at, spans, hit, decision)
                     if decision.source == "ar":
                         tail_chars = None  # counted from the L1 cut: the tail is decoded instead
+            if marked:
+                decision.ar_pending = self._marked(store, ar_keys, hit.first_new + (decision.source == "ar"))
         except StoreError:
             return None
         # Filed for the next turn, and its keys made, in settle (after the reply).
@@ -810,8 +813,16 @@ class Lookup(Generic[Ids, Out]):
             if lo >= n:
                 return False
             keys.fill_ar(lo, n)
-            marks = [pending_key(k) for k in keys.ar_keys[lo:n]]
-            return store.last_present(marks, 0, len(marks)) >= 0
+        except StoreError:
+            return False
+        return Lookup._marked(store, keys.ar_keys, lo)
+
+    @staticmethod
+    def _marked(store: CacheView, ar_keys: list[Any], lo: int) -> bool:
+        """Whether one of the marks of the AR keys ``ar_keys[lo:]`` (all made) is live."""
+        try:
+            marks = [pending_key(k) for k in ar_keys[lo:]]
+            return bool(marks) and store.last_present(marks, 0, len(marks)) >= 0
         except StoreError:
             return False
 
