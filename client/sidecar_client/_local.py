@@ -151,6 +151,9 @@ class LocalStats:
       fast path: the text extends one this process read lately, see
       ``tokcache.engine.lookup.Lookup._extend``) or ``python`` (every other one; the same ids,
       more CPU)
+    - ``declines``: the ``python`` ones by why the fast path left them to it
+      (``tokcache.engine.lookup._DECLINED``: ``no_base`` for a first turn or a conversation
+      another process served last, ``l0`` for a text cached whole, ...)
     """
 
     tokenize: Counter[str] = field(default_factory=Counter)
@@ -158,10 +161,11 @@ class LocalStats:
     writes: Counter[str] = field(default_factory=Counter)
     pending: Counter[str] = field(default_factory=Counter)
     paths: Counter[str] = field(default_factory=Counter)
+    declines: Counter[str] = field(default_factory=Counter)
 
     def snapshot(self) -> dict[str, dict[str, int]]:
         return {"tokenize": dict(self.tokenize), "fallbacks": dict(self.fallbacks), "writes": dict(self.writes),
-                "pending": dict(self.pending), "paths": dict(self.paths)}
+                "pending": dict(self.pending), "paths": dict(self.paths), "declines": dict(self.declines)}
 
 
 Learn = Callable[[str, str, str, str], None]
@@ -1047,6 +1051,8 @@ class LocalPaths:
         d = result.decision
         self.stats.tokenize[d.source] += 1
         self.stats.paths["native" if d.native else "python"] += 1
+        if d.declined:
+            self.stats.declines[d.declined] += 1
         out = local_result(result.ids, local.fingerprint, local.backend, d.source, d.cached_tokens, d.cached_chars,
                            d.encoded_chars, d.ar_spliced_tokens, d.boundaries, d.l1_disabled_reason)
         trace_local(model, local.fingerprint, out, mode, bool(cache_salt), t0, trace)

@@ -91,7 +91,8 @@ def reads_summary(m0: Mapping[str, float], m1: Mapping[str, float]) -> str:
     """Where the plugin's prompts were served (local: read in vLLM's process) and how long each took."""
     times = tokenize_timings(m0, m1)
     return (f"prompts served {labelled(m1, m0, 'served', 'path')}, read in vLLM's process by "
-            f"{labelled(m1, m0, 'read_path', 'path')}; time to the ids "
+            f"{labelled(m1, m0, 'read_path', 'path')} (the python ones by why: "
+            f"{labelled(m1, m0, 'native_declines', 'reason')}); time to the ids "
             f"(histogram tokcache_vllm_tokenize_seconds): " + "; ".join(f"{path} {t.text()}"
                                                                           for path, t in times.items()))
 

@@ -122,6 +122,7 @@ def test_a_conversation_is_read_in_process_with_no_rpc_and_the_rpc_ids(
         assert stats["tokenize"] == {"miss": 2, "l1": 7} and stats["writes"]["stored"] == 9
         # Every turn after the first extended the one before: the native fast path served it.
         assert stats["paths"] == {"python": 2, "native": 7}
+        assert stats["declines"] == {"no_base": 2}  # the warm-up and the first turn extend nothing read here
 
 
 def test_async_client_reads_in_process_too(sidecar: tuple[SidecarProcess, int], qwen3_path: Path) -> None:
@@ -405,6 +406,10 @@ def test_the_plugin_opens_the_segment_during_its_handshake(
             out = await link.tokenize(text, add_special_tokens=False, cache_salt=None)
             assert isinstance(out, Served) and out.served_by == "local"
         assert link.stats.paths == {"python": 2, "native": 1}
+        # Why: neither Python-path read extended a text this process had read
+        # (tokcache_vllm_native_declines).
+        assert link.stats.declines == {"no_base": 2}
+        assert link.client().local.stats.declines is link.stats.declines  # type: ignore[union-attr]
         await link.close()
 
     asyncio.run(main())
@@ -1314,7 +1319,7 @@ def test_a_recorded_prompt_is_stored_by_its_reader_and_its_next_turn_takes_the_n
     class Counting:
         def extend(self, *args: Any) -> Any:
             got = native.extend(*args)
-            served_ar.append(got is not None and got[-1] >= 0)
+            served_ar.append(isinstance(got, tuple) and got[-1] >= 0)  # (declined: an int)
             return got
 
         def __getattr__(self, name: str) -> Any:

@@ -49,6 +49,7 @@ def test_increases_are_mirrored_into_a_registry_and_the_interface_is_unchanged()
     stats.record_skips["stop_string"] += 1
     stats.paths["native"] += 4
     stats.paths["python"] += 1
+    stats.declines["no_base"] += 1
     stats.cached_tokens += 3
     stats.ar_spliced_tokens += 40
     stats.record_waits += 1
@@ -64,6 +65,7 @@ def test_increases_are_mirrored_into_a_registry_and_the_interface_is_unchanged()
     assert value(reg, "tokcache_vllm_record_skips_total", reason="stop_string") == 1
     assert value(reg, "tokcache_vllm_read_path_total", path="native") == 4
     assert value(reg, "tokcache_vllm_read_path_total", path="python") == 1
+    assert value(reg, "tokcache_vllm_native_declines_total", reason="no_base") == 1
     assert value(reg, "tokcache_vllm_cached_tokens_total") == 10
     assert value(reg, "tokcache_vllm_ar_spliced_tokens_total") == 40
     assert value(reg, "tokcache_vllm_record_waits_total") == 1
@@ -75,7 +77,7 @@ def test_increases_are_mirrored_into_a_registry_and_the_interface_is_unchanged()
     # PluginStats itself is what it was: plain counters and numbers.
     snap = stats.snapshot()
     assert snap["tokenize"] == {"miss": 3, "ar": 3} and snap["cached_tokens"] == 10
-    assert snap["paths"] == {"native": 4, "python": 1}
+    assert snap["paths"] == {"native": 4, "python": 1} and snap["declines"] == {"no_base": 1}
     assert snap["response_waits"] == 3 and snap["response_wait_timeouts"] == 1
     assert snap["response_wait_seconds"] == pytest.approx(1.0055)
     assert list(stats.recent_response_waits) == [0.004, 0.0015, 1.0]

@@ -166,6 +166,7 @@ class SidecarLink:
             if self._client.local is not None:
                 self._client.local.stats.pending = self.stats.pending  # counted as plugin metrics too
                 self._client.local.stats.paths = self.stats.paths
+                self._client.local.stats.declines = self.stats.declines
                 if self._models:
                     self._client.local.set_models(self._models)
             self._loop = loop

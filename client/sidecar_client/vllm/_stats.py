@@ -60,6 +60,9 @@ _FAMILIES: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
     "paths": ("tokcache_vllm_read_path", "Prompts read in vLLM's process (served path local), by the read path that "
               "served them (native: the C fast path; python: the reference path, the same ids for more CPU)",
               "path", ("native", "python")),
+    "declines": ("tokcache_vllm_native_declines", "Prompts read in vLLM's process by the python path, by why the "
+                 "native fast path left them to it (no_base: a first turn, or a conversation another API server "
+                 "read last; l0: cached whole; ...)", "reason", ()),
 }
 # Seconds to produce a prompt's ids, by path: local, sidecar, vllm (vLLM's own tokenizer,
 # when the plugin falls back or observes only).
@@ -106,6 +109,8 @@ class PluginStats:
       in-process client's ``LocalStats.pending``: the same object)
     - ``paths``: prompts read in vLLM's process, by the read path that served them (native,
       python; the in-process client's ``LocalStats.paths``: the same object)
+    - ``declines``: the python ones by why the native path left them to it (the in-process
+      client's ``LocalStats.declines``: the same object)
 
     After :func:`install_prometheus`, increases of the counters and of the numbers
     named in ``_SCALARS`` are mirrored into prometheus metrics as they happen.
@@ -118,6 +123,7 @@ class PluginStats:
     record_skips: Counter[str] = field(default_factory=MirroredCounter)
     pending: Counter[str] = field(default_factory=MirroredCounter)  # the in-process client's, shared
     paths: Counter[str] = field(default_factory=MirroredCounter)  # the in-process client's, shared
+    declines: Counter[str] = field(default_factory=MirroredCounter)  # the in-process client's, shared
     cached_tokens: int = 0
     ar_spliced_tokens: int = 0
     record_waits: int = 0
@@ -162,7 +168,7 @@ class PluginStats:
     def snapshot(self) -> dict[str, Any]:
         """A JSON-able copy (for logs and tests)."""
         return {"tokenize": dict(self.tokenize), "served": dict(self.served), "paths": dict(self.paths),
-                "fallbacks": dict(self.fallbacks),
+                "declines": dict(self.declines), "fallbacks": dict(self.fallbacks),
                 "records": dict(self.records), "record_skips": dict(self.record_skips),
                 "cached_tokens": self.cached_tokens, "ar_spliced_tokens": self.ar_spliced_tokens,
                 "record_waits": self.record_waits, "response_waits": self.response_waits,

@@ -380,17 +380,38 @@ static int attr_ssize(PyObject *o, PyObject *name, Py_ssize_t *out) {
 }
 
 PyDoc_STRVAR(extend_doc,
-"extend(text, bases, ns, ctx, tail, now, ar) -> tuple | None\n\n"
+"extend(text, bases, ns, ctx, tail, now, ar) -> tuple | int\n\n"
 "Lookup._tokenize's scan, keys and hit for ``text`` when it extends one of ``bases`` (the\n"
 "Scans BoundaryScanner.bases lists; the first it extends) that holds a KeyState for ``ns``, no L0 entry and\n"
 "no gallop applies, and the winning keyed cut's chain is held (ChainMemo.held_key's answer, read\n"
 "from ChainMemo.native_view's two dicts). ``ctx`` is (matcher, maxlen, grid, tail_probes,\n"
 "index_buffer, index_off, n_buckets, memo_by_lsn, memo_entries, max_text_bytes). Returns (base,\n"
 "data, spans, tail, tail_from, kept_end, stable, keyed, keys, state_hasher, state_cut, exact_key,\n"
-"pos, key, container, tokens, tail_chars, ar_keys, ar_at), or None:\n"
-"serve it in Python. With ``ar`` (recorded outputs may apply) the AR keys of the boundaries past\n"
-"the hit are made (``ar_keys``: by cut index, None elsewhere) and ``ar_at`` is the highest of them\n"
-"that is live (-1: none), for the caller to read; without, ``ar_keys`` is None and ``ar_at`` -1.");
+"pos, key, container, tokens, tail_chars, ar_keys, ar_at), or why it declined (an int >= 1,\n"
+"named by lookup.py's _DECLINED): serve it in Python. With ``ar`` (recorded outputs may apply)\n"
+"the AR keys of the boundaries past the hit are made (``ar_keys``: by cut index, None elsewhere)\n"
+"and ``ar_at`` is the highest of them that is live (-1: none), for the caller to read; without,\n"
+"``ar_keys`` is None and ``ar_at`` -1.");
+
+/* Why extend declined a text (its return value then; the Python path serves it): the order
+ * of lookup.py's _DECLINED, which names them. */
+enum {
+    TK_NO_BASE = 1,     /* it extends none of the bases (a first turn, another process's text) */
+    TK_BASE_STATE,      /* its base holds no usable key state for this namespace */
+    TK_INVALID_TEXT,    /* a lone surrogate: the Python path reports it */
+    TK_TOO_LARGE,       /* over max_text_bytes: the Python path reports it */
+    TK_UNSTABLE,        /* the appended part moved a boundary at or before the base's state cut */
+    TK_WINDOW_KEYS,     /* a key of the probe window the base never made */
+    TK_L0,              /* the whole text is cached (L0): the Python path reads it */
+    TK_NO_WINDOW_HIT,   /* no keyed cut of the window is cached (a miss, or a gallop further back) */
+    TK_CHAIN_NOT_HELD,  /* the hit's chain is not held by this process's memo */
+    TK_AR_KEYS,         /* the base never made the AR keys the recorded-output search needs */
+};
+#define DECLINE(reason) \
+    do {                \
+        declined = (reason); \
+        goto none;      \
+    } while (0)
 
 static PyObject *py_extend(PyObject *self, PyObject *args) {
     PyObject *text, *bases, *ns, *ctx;
@@ -409,6 +430,7 @@ static PyObject *py_extend(PyObject *self, PyObject *args) {
                           &max_text_bytes))
         return NULL;
 
+    int declined = 0; /* DECLINE's reason */
     PyObject *result = NULL, *snapshot = NULL, *base = NULL, *old = NULL, *hashers = NULL, *sub = NULL,
              *added = NULL, *base_data = NULL, *data = NULL, *base_spans = NULL, *spans = NULL, *tail_list = NULL,
              *keyed = NULL, *keys = NULL, *state = NULL, *exact = NULL, *ident = NULL, *entry = NULL,
@@ -436,28 +458,28 @@ static PyObject *py_extend(PyObject *self, PyObject *args) {
         }
         Py_CLEAR(old);
     }
-    if (!base) goto none;
+    if (!base) DECLINE(TK_NO_BASE);
 
     /* 2. Its key state for this namespace: (cut, hasher, l1, ar, keyed). */
     hashers = PyObject_GetAttr(base, s_hashers);
     if (!hashers) goto fail;
-    if (!PyDict_Check(hashers)) goto none;
+    if (!PyDict_Check(hashers)) DECLINE(TK_BASE_STATE);
     st = PyDict_GetItemWithError(hashers, ns);
     if (!st) {
         if (PyErr_Occurred()) goto fail;
-        goto none;
+        DECLINE(TK_BASE_STATE);
     }
     Py_INCREF(st); /* held: another thread may file a new state meanwhile */
     if (!PyTuple_Check(st) || PyTuple_GET_SIZE(st) != 5 || !PyList_Check(PyTuple_GET_ITEM(st, 2)) ||
         !PyList_Check(PyTuple_GET_ITEM(st, 4)))
-        goto none;
+        DECLINE(TK_BASE_STATE);
     Py_ssize_t r_cut;
     if (as_ssize(PyTuple_GET_ITEM(st, 0), &r_cut) < 0) goto fail;
     PyObject *r_hasher = PyTuple_GET_ITEM(st, 1), *r_l1 = PyTuple_GET_ITEM(st, 2), *r_ar = PyTuple_GET_ITEM(st, 3),
              *r_keyed = PyTuple_GET_ITEM(st, 4);
     /* (None: a state cut back, rebuilt by the Python path; a blake3-package hasher: a build
      * without the store extension's Hasher) */
-    if (!hasher_api || Py_TYPE(r_hasher) != hasher_api->type) goto none;
+    if (!hasher_api || Py_TYPE(r_hasher) != hasher_api->type) DECLINE(TK_BASE_STATE);
 
     /* 3. The text as UTF-8: the base's bytes, then the appended part's. A lone surrogate is
      * the Python path's to report (with its index in the whole text). */
@@ -467,13 +489,13 @@ static PyObject *py_extend(PyObject *self, PyObject *args) {
     if (!added) {
         if (!PyErr_ExceptionMatches(PyExc_UnicodeEncodeError)) goto fail;
         PyErr_Clear();
-        goto none;
+        DECLINE(TK_INVALID_TEXT);
     }
     base_data = PyObject_GetAttr(base, s_data);
     if (!base_data) goto fail;
-    if (!PyBytes_Check(base_data)) goto none;
+    if (!PyBytes_Check(base_data)) DECLINE(TK_BASE_STATE);
     Py_ssize_t b_len = PyBytes_GET_SIZE(base_data), a_len = PyBytes_GET_SIZE(added), total = b_len + a_len;
-    if (total > max_text_bytes) goto none; /* RequestTooLarge: the Python path's */
+    if (total > max_text_bytes) DECLINE(TK_TOO_LARGE); /* RequestTooLarge: the Python path's */
     data = PyBytes_FromStringAndSize(NULL, total);
     if (!data) goto fail;
     memcpy(PyBytes_AS_STRING(data), PyBytes_AS_STRING(base_data), (size_t)b_len);
@@ -485,7 +507,7 @@ static PyObject *py_extend(PyObject *self, PyObject *args) {
     if (!base_spans || attr_ssize(base, s_stable, &b_stable) < 0 || attr_ssize(base, s_tail_from, &b_tail_from) < 0 ||
         attr_ssize(base, s_kept_end, &b_kept_end) < 0)
         goto fail;
-    if (!PyList_Check(base_spans) || b_stable > PyList_GET_SIZE(base_spans)) goto none;
+    if (!PyList_Check(base_spans) || b_stable > PyList_GET_SIZE(base_spans)) DECLINE(TK_BASE_STATE);
     spans = PyList_GetSlice(base_spans, 0, b_stable);
     tail_list = PyList_New(0);
     if (!spans || !tail_list) goto fail;
@@ -495,7 +517,7 @@ static PyObject *py_extend(PyObject *self, PyObject *args) {
                   &stable) < 0)
         goto fail;
     Py_ssize_t n = PyList_GET_SIZE(spans);
-    if (r_cut < 0 || r_cut >= n || stable < 1 || stable - 1 < r_cut) goto none;
+    if (r_cut < 0 || r_cut >= n || stable < 1 || stable - 1 < r_cut) DECLINE(TK_UNSTABLE);
 
     /* 5. Keyed cuts (KEY_GRID): the base's up to its state's cut, then the new ones. */
     Py_ssize_t p = 0, nk_old = PyList_GET_SIZE(r_keyed);
@@ -505,7 +527,7 @@ static PyObject *py_extend(PyObject *self, PyObject *args) {
         if (v > r_cut) break;
         p++;
     }
-    if (p > PyList_GET_SIZE(r_l1)) goto none;
+    if (p > PyList_GET_SIZE(r_l1)) DECLINE(TK_BASE_STATE);
     keyed = PyList_GetSlice(r_keyed, 0, p);
     keys = PyList_GetSlice(r_l1, 0, p);
     if (!keyed || !keys) goto fail;
@@ -528,7 +550,7 @@ static PyObject *py_extend(PyObject *self, PyObject *args) {
     }
     Py_ssize_t nk = PyList_GET_SIZE(keyed), lo = nk - tail_probes > 0 ? nk - tail_probes : 0;
     for (Py_ssize_t q = lo; q < p; q++)
-        if (PyList_GET_ITEM(keys, q) == Py_None) goto none; /* a window key the base lacks */
+        if (PyList_GET_ITEM(keys, q) == Py_None) DECLINE(TK_WINDOW_KEYS); /* a window key the base lacks */
 
     /* 6. One hashing pass from the base's state: the new keyed cuts, the state at the last
      * stable cut, the whole text (L0). */
@@ -573,14 +595,14 @@ static PyObject *py_extend(PyObject *self, PyObject *args) {
         goto fail;
     }
     const unsigned char *index = (const unsigned char *)view.buf + index_off;
-    if (!PyBytes_Check(exact) || PyBytes_GET_SIZE(exact) != TK_KEY_SIZE) goto none;
+    if (!PyBytes_Check(exact) || PyBytes_GET_SIZE(exact) != TK_KEY_SIZE) DECLINE(TK_BASE_STATE);
     int64_t so = tk_find_slot(index, n_buckets, (const unsigned char *)PyBytes_AS_STRING(exact));
-    if (so >= 0 && tk_slot_live(index + so, now, tail)) goto none;
+    if (so >= 0 && tk_slot_live(index + so, now, tail)) DECLINE(TK_L0);
     Py_ssize_t pos = -1;
     int64_t hit_slot = -1;
     for (Py_ssize_t r = nk - 1; r >= lo; r--) {
         PyObject *k = PyList_GET_ITEM(keys, r);
-        if (!PyBytes_Check(k) || PyBytes_GET_SIZE(k) != TK_KEY_SIZE) goto none;
+        if (!PyBytes_Check(k) || PyBytes_GET_SIZE(k) != TK_KEY_SIZE) DECLINE(TK_BASE_STATE);
         int64_t sl = tk_find_slot(index, n_buckets, (const unsigned char *)PyBytes_AS_STRING(k));
         if (sl >= 0 && tk_slot_live(index + sl, now, tail)) {
             pos = r;
@@ -588,7 +610,7 @@ static PyObject *py_extend(PyObject *self, PyObject *args) {
             break;
         }
     }
-    if (pos < 0) goto none;
+    if (pos < 0) DECLINE(TK_NO_WINDOW_HIT);
     uint64_t lsn = tk_load_u64(index + hit_slot + TK_KEY_SIZE) & TK_LSN_MASK;
     PyBuffer_Release(&view);
     have_view = 0;
@@ -606,21 +628,21 @@ static PyObject *py_extend(PyObject *self, PyObject *args) {
         Py_DECREF(lsn_obj);
         if (!ident) {
             if (PyErr_Occurred()) goto fail;
-            goto none;
+            DECLINE(TK_CHAIN_NOT_HELD);
         }
         Py_INCREF(ident);
         entry = PyDict_GetItemWithError(memo_entries, ident);
         if (!entry) {
             if (PyErr_Occurred()) goto fail;
-            goto none;
+            DECLINE(TK_CHAIN_NOT_HELD);
         }
         Py_INCREF(entry); /* (container, base, n, floor, {key: ids used}) */
         if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 5 || !PyDict_Check(PyTuple_GET_ITEM(entry, 4)))
-            goto none;
+            DECLINE(TK_CHAIN_NOT_HELD);
         PyObject *used_obj = PyDict_GetItemWithError(PyTuple_GET_ITEM(entry, 4), key);
         if (!used_obj) {
             if (PyErr_Occurred()) goto fail;
-            goto none;
+            DECLINE(TK_CHAIN_NOT_HELD);
         }
         Py_ssize_t e_base, e_n, used;
         long long floor;
@@ -629,7 +651,7 @@ static PyObject *py_extend(PyObject *self, PyObject *args) {
             goto fail;
         floor = PyLong_AsLongLong(PyTuple_GET_ITEM(entry, 3));
         if (floor == -1 && PyErr_Occurred()) goto fail;
-        if (used > e_n || floor < 0 || (unsigned long long)floor < tail) goto none; /* floor < 0: not known live */
+        if (used > e_n || floor < 0 || (unsigned long long)floor < tail) DECLINE(TK_CHAIN_NOT_HELD); /* floor < 0: not known live */
         tokens = e_base + used;
         /* The LRU's use mark, as held_key sets it (OrderedDict.move_to_end: C, no Python code). */
         PyObject *moved = PyObject_CallMethodOneArg(memo_entries, s_move_to_end, ident);
@@ -652,15 +674,15 @@ static PyObject *py_extend(PyObject *self, PyObject *args) {
     if (want_ar) {
         Py_ssize_t j;
         if (as_ssize(PyList_GET_ITEM(keyed, pos), &j) < 0) goto fail;
-        if (!PyList_Check(r_ar)) goto none;
+        if (!PyList_Check(r_ar)) DECLINE(TK_AR_KEYS);
         ar_keys = PyList_New(n);
         if (!ar_keys) goto fail;
         for (Py_ssize_t i = 0; i < n; i++) PyList_SET_ITEM(ar_keys, i, Py_NewRef(Py_None));
         Py_ssize_t i = j + 1;
         for (; i < n && i <= r_cut; i++) {
-            if (i >= PyList_GET_SIZE(r_ar)) goto none;
+            if (i >= PyList_GET_SIZE(r_ar)) DECLINE(TK_AR_KEYS);
             PyObject *k = PyList_GET_ITEM(r_ar, i);
-            if (!PyBytes_Check(k) || PyBytes_GET_SIZE(k) != TK_KEY_SIZE) goto none;
+            if (!PyBytes_Check(k) || PyBytes_GET_SIZE(k) != TK_KEY_SIZE) DECLINE(TK_AR_KEYS);
             PyList_SetItem(ar_keys, i, Py_NewRef(k));
         }
         if (i < n) {
@@ -705,7 +727,7 @@ static PyObject *py_extend(PyObject *self, PyObject *args) {
                            tail_chars, ar_keys ? ar_keys : Py_None, ar_at);
     goto done;
 none:
-    result = Py_NewRef(Py_None);
+    result = PyLong_FromLong(declined);
     goto done;
 fail:
     result = NULL;
@@ -1159,7 +1181,7 @@ PyMODINIT_FUNC PyInit__speedups(void) {
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
     Py_INCREF(&MatcherType);
-    if (PyModule_AddIntConstant(m, "API", 13) < 0 || PyModule_AddObject(m, "Matcher", (PyObject *)&MatcherType) < 0) {
+    if (PyModule_AddIntConstant(m, "API", 14) < 0 || PyModule_AddObject(m, "Matcher", (PyObject *)&MatcherType) < 0) {
         Py_DECREF(&MatcherType);
         Py_DECREF(m);
         return NULL;

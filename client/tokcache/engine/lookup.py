@@ -95,6 +95,23 @@ def utf8(text: str, field: str = "text") -> bytes:
 
 _TAGS = {"exact": MODE_EXACT, "kv-stable": MODE_KV_STABLE}
 
+# Why the native fast path (Lookup._extend) left a request to the Python path
+# (Decision.declined): _speedups.extend's codes 1.. in their order (its TK_* enum), then
+# the reasons decided before the call. Counted by the clients (LocalStats.declines).
+_DECLINED = (
+    "",
+    "no_base",  # it extends no text this process read: a first turn, another process's conversation
+    "base_state",  # that text holds no usable key state for its namespace
+    "invalid_text",  # a lone surrogate (the Python path reports it)
+    "too_large",  # over max_text_bytes (the Python path reports it)
+    "unstable",  # the appended text moved a boundary at or before the state's cut
+    "window_keys",  # a key of the probe window that text never made
+    "l0",  # the whole text is cached: the Python path reads L0 hits
+    "no_window_hit",  # no keyed cut of the window is cached (a miss, or a gallop further back)
+    "chain_not_held",  # the hit's chain is not in this process's memo
+    "ar_keys",  # that text never made the AR keys the recorded-output search needs
+)
+
 
 def mode_tag(mode: str) -> bytes:
     """The key namespace of a mode name ("exact" or "kv-stable")."""
@@ -224,6 +241,9 @@ class Decision:
     # Served by the native fast path (Lookup._extend) rather than the Python one: the same
     # decision either way; counted, as a process whose fast path misses costs more CPU.
     native: bool = False
+    # Why the native fast path left this request to the Python path ("" when it served it or
+    # was not there to try; see _DECLINED), counted by reason.
+    declined: str = ""
     # Phase -> (perf_counter_ns start, end), for trace child spans.
     timings: dict[str, tuple[int, int]] = field(default_factory=dict)
 
@@ -412,26 +432,28 @@ class Lookup(Generic[Ids, Out]):
         """
         if len(text) > self.limits.max_text_bytes:  # chars <= bytes: a cheap first test
             raise RequestTooLarge("text", self.limits.max_text_bytes)
+        declined = ""
         if _native is not None and self.model.scanner.matcher is not None:
             fast = self._extend(text, add_special_tokens=add_special_tokens, salt=salt, mode=mode, tier=tier)
-            if fast is not None:
+            if not isinstance(fast, str):
                 return fast
+            declined = fast
         try:
             scan = self.model.scanner.scan_text(text)
         except UnicodeEncodeError as exc:
             raise InvalidRequest("text", f"not valid Unicode: lone surrogate {text[exc.start]!r} at index "
                                          f"{exc.start}") from exc
         return self._tokenize(scan, len(text), add_special_tokens=add_special_tokens, salt=salt, mode=mode,
-                              tier=tier)
+                              tier=tier, declined=declined)
 
     def _tokenize(self, scan: Scan, n_chars: int, *, add_special_tokens: bool, salt: str,
-                  mode: str, tier: bool = False) -> Result[Ids, Out]:
+                  mode: str, tier: bool = False, declined: str = "") -> Result[Ids, Out]:
         data = scan.data
         if len(data) > self.limits.max_text_bytes:
             raise RequestTooLarge("text", self.limits.max_text_bytes)
         tag = mode_tag(mode)
         affixes = self.model.affixes
-        decision = Decision(l1_disabled_reason=self.model.l1_disabled_reason)
+        decision = Decision(l1_disabled_reason=self.model.l1_disabled_reason, declined=declined)
         if add_special_tokens and not affixes.separable:
             # The post-processor does more than wrap raw ids: no cache for this request.
             decision.l1_disabled_reason = f"add_special_tokens: {affixes.reason}"
@@ -574,14 +596,15 @@ class Lookup(Generic[Ids, Out]):
         return write, ready
 
     def _extend(self, text: str, *, add_special_tokens: bool, salt: str, mode: str,
-                tier: bool) -> Result[Ids, Out] | None:
+                tier: bool) -> Result[Ids, Out] | str:
         """The native fast path (``_speedups.extend``) of :meth:`tokenize` for the common case:
         ``text`` extends one this process tokenized and the L1 hit is a keyed cut in the window
         whose chain this process holds. When recorded outputs may apply (kv-stable, AR in the
         segment) the native call also makes the AR keys past that cut and finds the highest
         live one, whose chain is read here as the Python path reads it; while a pending-record
         mark may be live (kv-stable), the marks of those keys past the hit are probed here
-        (``Decision.ar_pending``). None: :meth:`tokenize` serves it from the start.
+        (``Decision.ar_pending``). A string (why not, see _DECLINED): :meth:`tokenize` serves
+        it from the start.
 
         The same decision as the Python path, by construction (the same keys, probes and
         window) and by test (both run on the same histories).
@@ -589,7 +612,8 @@ class Lookup(Generic[Ids, Out]):
         store = self.store
         tag = _TAGS.get(mode)
         if tier or tag is None or store is None or (add_special_tokens and not self.model.affixes.separable):
-            return None
+            return ("tier" if tier else "mode" if tag is None else "no_store" if store is None
+                    else "special_tokens")
         t0 = time.perf_counter_ns()
         try:
             now = time.time()
@@ -604,7 +628,7 @@ class Lookup(Generic[Ids, Out]):
             if ctx is None or ctx[0] is not store:
                 region: tuple[Any, int, int] | None = store.native_region()
                 if region is None:
-                    return None
+                    return "no_region"
                 scanner = self.model.scanner
                 index, index_off, n_buckets = region
                 args = (scanner.matcher, scanner.maxlen, self.model.key_grid, TAIL_PROBES, index, index_off,
@@ -614,8 +638,8 @@ class Lookup(Generic[Ids, Out]):
             # The latest texts, then the roots a rewritten history extends (BoundaryScanner.bases).
             bases, latest = self.model.scanner.bases()
             got = _native.extend(text, bases, ns, ctx[1], store.tail(), now, ar or marked)
-            if got is None:
-                return None
+            if type(got) is int:
+                return _DECLINED[got]
             (base, data, spans, tail, tail_from, kept_end, stable, keyed, keys_list, state_hasher, state_cut, exact,
              pos, key, held, tokens, tail_chars, ar_keys, ar_at) = got
             # A text that extends a root rather than one of the latest starts a line of its own.
@@ -635,7 +659,7 @@ class Lookup(Generic[Ids, Out]):
             if marked:
                 decision.ar_pending = self._marked(store, ar_keys, hit.first_new + (decision.source == "ar"))
         except StoreError:
-            return None
+            return "store_error"
         # Filed for the next turn, and its keys made, in settle (after the reply).
         scan = Scan(data, spans, tail, tail_from, kept_end, len(base.data), text, base=base, stable=stable,
                     root=root)

@@ -28,8 +28,9 @@ from blake3 import blake3
 from tokcache.engine import ids as ids_mod
 from tokcache.engine import lookup as lookup_mod
 from tokcache.engine.boundaries import Scan
+from tokcache.engine.errors import InvalidRequest
 from tokcache.engine.ids import BYTES, LISTS, Chunks, untrack
-from tokcache.engine.lookup import Lookup, ReadModel, _cut_tokens, commit
+from tokcache.engine.lookup import Decision, Lookup, ReadModel, _cut_tokens, commit
 from tokcache.engine.memo import ChainMemo
 from tokcache.engine.tokenizer import Manifest, from_manifest
 from tokcache.ids import pack_ids
@@ -60,8 +61,9 @@ class _Counting:
     def extend(self, *args: Any) -> Any:
         got = self._native.extend(*args)
         self.calls += 1
-        self.served += got is not None
-        self.with_ar += got is not None and got[-1] >= 0
+        served = isinstance(got, tuple)  # (else why it declined: an int)
+        self.served += served
+        self.with_ar += served and got[-1] >= 0
         return got
 
     def __getattr__(self, name: str) -> Any:
@@ -273,6 +275,7 @@ def test_a_live_mark_keeps_kv_stable_reads_on_the_native_path_which_finds_its_ow
         msgs: list[dict[str, Any]] = [{"role": "system", "content": _para(rng, 150)}]
         last: list[str] = []  # the latest prompt
         own: list[bytes] = []  # the marks put on this conversation's outputs
+        declined: list[str] = []  # each turn's Decision.declined
 
         def turn(mark_own: bool = False) -> tuple[bool, bool]:
             """One turn, checked against the Python path: (served natively, ar_pending). With
@@ -293,6 +296,8 @@ def test_a_live_mark_keeps_kv_stable_reads_on_the_native_path_which_finds_its_ow
             monkeypatch.setattr(lookup_mod, "_native", counting)
             assert got.ids == want.ids, (got.decision, want.decision)
             assert got.decision.ar_pending == want.decision.ar_pending, (got.decision, want.decision)
+            assert got.decision.native == native and (got.decision.declined == "") == native
+            declined.append(got.decision.declined)
             assert got.later is not None
             write, _ready = fast.settle(got.later)
             if write is not None:
@@ -308,9 +313,38 @@ def test_a_live_mark_keeps_kv_stable_reads_on_the_native_path_which_finds_its_ow
         # The first read since: the Python path (the texts before it made no AR keys, which the
         # native call takes from its base's state), which makes them; then the native path.
         assert [turn(), turn()] == [(False, False), (True, False)]
+        assert declined[0] == "no_base" and declined[3] == "ar_keys", declined
         assert turn(mark_own=True) == (True, True)
         assert store.mark(own[-1], 1)  # withdrawn: its record was answered
         assert turn() == (True, False)
+
+
+def test_a_read_the_native_path_declines_says_why(engine: ModelEngine, own_model: ReadModel) -> None:
+    """``Decision.declined`` names why the native path left a read to the Python path (the
+    clients count it by reason): a text that extends none read here, a text cached whole (L0,
+    the Python path's to read); "" when the native path served it."""
+    with _segment(engine) as (store, reader):
+        memo: ChainMemo[Chunks] = ChainMemo(LISTS)
+        lookup: Lookup[Chunks, list[int]] = Lookup(own_model, reader, memo)
+        rng = random.Random(f"declined-{engine.name}")
+        first = engine.render([{"role": "system", "content": _para(rng, 150)},
+                               {"role": "user", "content": _para(rng, 80)}], add_generation_prompt=True)
+        second = first + _para(rng, 40) + _para(rng, 200)
+
+        def read(text: str, mode: str = "exact") -> Decision:
+            r = lookup.tokenize(text, add_special_tokens=False, mode=mode)
+            if r.write is not None:
+                commit(store, memo, r.write)
+            return r.decision
+
+        d = read(first)
+        assert (d.native, d.declined) == (False, "no_base")
+        d = read(second)
+        assert (d.native, d.declined) == (True, "")
+        d = read(second)
+        assert (d.source, d.native, d.declined) == ("l0", False, "l0")
+        with pytest.raises(InvalidRequest):
+            read(second + "more", mode="no-such-mode")  # the Python path still refuses it
 
 
 @pytest.mark.parametrize("mode,record", [("exact", False), ("kv-stable", False), ("kv-stable", True)],
