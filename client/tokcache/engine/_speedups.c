@@ -651,7 +651,8 @@ static PyObject *py_extend(PyObject *self, PyObject *args) {
             goto fail;
         floor = PyLong_AsLongLong(PyTuple_GET_ITEM(entry, 3));
         if (floor == -1 && PyErr_Occurred()) goto fail;
-        if (used > e_n || floor < 0 || (unsigned long long)floor < tail) DECLINE(TK_CHAIN_NOT_HELD); /* floor < 0: not known live */
+        if (used > e_n || floor < 0 || (unsigned long long)floor < tail) /* floor < 0: not known live */
+            DECLINE(TK_CHAIN_NOT_HELD);
         tokens = e_base + used;
         /* The LRU's use mark, as held_key sets it (OrderedDict.move_to_end: C, no Python code). */
         PyObject *moved = PyObject_CallMethodOneArg(memo_entries, s_move_to_end, ident);

@@ -619,9 +619,9 @@ class Lookup(Generic[Ids, Out]):
             now = time.time()
             # While a pending-record mark may be live, this text's own marks are probed past the
             # hit as the Python path probes them (_pending), from the AR keys the native call
-            # makes then. (Leaving every kv-stable read to the Python path while any mark lived
-            # took make e2e's plugin server off the native path for a mark's life, ~21 s after
-            # each late record: a busy node whose sidecar is slow would never have been on it.)
+            # makes then, rather than leaving every kv-stable read to the Python path: a mark
+            # lives as long as its record's deadline, and a node whose sidecar is slow puts
+            # them all the time.
             marked = tag == MODE_KV_STABLE and store.marks_live(now)
             ar = tag == MODE_KV_STABLE and store.holds_ar()
             ctx = self._fast_ctx
