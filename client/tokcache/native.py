@@ -15,7 +15,7 @@ from typing import Any
 __all__ = ["ENGINE_API", "STORE_API", "engine", "load", "store"]
 
 # The version of tokcache.engine._speedups' functions this code calls (its ``API``).
-ENGINE_API = 14
+ENGINE_API = 15
 # The same for tokcache.store._speedups.
 STORE_API = 4
 

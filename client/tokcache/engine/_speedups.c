@@ -201,6 +201,215 @@ static inline Py_ssize_t match_at(const Matcher *m, const unsigned char *data, P
     return best;
 }
 
+
+/* ---------------------------------------------------------------------------------- */
+/* Spans: a text's boundary spans as one flat array of (start, end) pairs.             */
+/*                                                                                    */
+/* A read keeps its text's spans for the next turn, which copies its base's stable    */
+/* ones and appends what it scanned. As a list of (int, int) tuples that copy was a    */
+/* reference-count write to each of ~1000 tuples spread over the heap, and freeing the */
+/* base's list another (1.5 us warm, 12.8 us with the tuples out of the caches, in a   */
+/* micro-benchmark: what 16 processes sharing 2 cores see after every switch); as one  */
+/* array it is a memcpy (1.8 us cold). To Python it is a read-only sequence of         */
+/* (start, end) tuples, made on access (untracked: two ints), equal to a list of the   */
+/* same tuples; a slice is such a list. Not a container of objects: no GC.             */
+
+typedef struct {
+    PyObject_HEAD
+    Py_ssize_t n, cap;
+    Py_ssize_t *v; /* v[2i], v[2i + 1]: span i's start and end */
+} Spans;
+
+static PyTypeObject SpansType;
+#define Spans_Check(o) (Py_TYPE(o) == &SpansType)
+
+static Spans *spans_alloc(Py_ssize_t cap) {
+    Spans *self = PyObject_New(Spans, &SpansType);
+    if (!self) return NULL;
+    self->n = 0;
+    self->cap = cap < 8 ? 8 : cap;
+    self->v = PyMem_Malloc(sizeof(Py_ssize_t) * 2 * (size_t)self->cap);
+    if (!self->v) {
+        self->cap = 0;
+        Py_DECREF(self);
+        PyErr_NoMemory();
+        return NULL;
+    }
+    return self;
+}
+
+static int spans_push(Spans *self, Py_ssize_t start, Py_ssize_t end) {
+    if (self->n == self->cap) {
+        Py_ssize_t cap = self->cap * 2;
+        Py_ssize_t *v = PyMem_Realloc(self->v, sizeof(Py_ssize_t) * 2 * (size_t)cap);
+        if (!v) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        self->v = v;
+        self->cap = cap;
+    }
+    self->v[2 * self->n] = start;
+    self->v[2 * self->n + 1] = end;
+    self->n++;
+    return 0;
+}
+
+static void Spans_dealloc(Spans *self) {
+    PyMem_Free(self->v);
+    PyObject_Free(self);
+}
+
+static Py_ssize_t Spans_len(Spans *self) { return self->n; }
+
+/* Span i as a new (start, end) tuple, untracked (two ints: in no cycle). */
+static PyObject *spans_tuple(const Spans *self, Py_ssize_t i) {
+    PyObject *t = Py_BuildValue("(nn)", self->v[2 * i], self->v[2 * i + 1]);
+    if (t) PyObject_GC_UnTrack(t);
+    return t;
+}
+
+static PyObject *Spans_item(Spans *self, Py_ssize_t i) {
+    if (i < 0 || i >= self->n) {
+        PyErr_SetString(PyExc_IndexError, "Spans index out of range");
+        return NULL;
+    }
+    return spans_tuple(self, i);
+}
+
+/* spans[a:b:step] as a list of (start, end) tuples. */
+static PyObject *spans_list(const Spans *self, Py_ssize_t start, Py_ssize_t step, Py_ssize_t count) {
+    PyObject *out = PyList_New(count);
+    if (!out) return NULL;
+    for (Py_ssize_t k = 0, i = start; k < count; k++, i += step) {
+        PyObject *t = spans_tuple(self, i);
+        if (!t) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, k, t);
+    }
+    return out;
+}
+
+static PyObject *Spans_subscript(Spans *self, PyObject *key) {
+    if (PyIndex_Check(key)) {
+        Py_ssize_t i = PyNumber_AsSsize_t(key, PyExc_IndexError);
+        if (i == -1 && PyErr_Occurred()) return NULL;
+        if (i < 0) i += self->n;
+        return Spans_item(self, i);
+    }
+    if (PySlice_Check(key)) {
+        Py_ssize_t start, stop, step;
+        if (PySlice_Unpack(key, &start, &stop, &step) < 0) return NULL;
+        Py_ssize_t count = PySlice_AdjustIndices(self->n, &start, &stop, step);
+        return spans_list(self, start, step, count);
+    }
+    PyErr_Format(PyExc_TypeError, "Spans indices must be integers or slices, not %.200s", Py_TYPE(key)->tp_name);
+    return NULL;
+}
+
+static PyObject *Spans_richcompare(PyObject *a, PyObject *b, int op) {
+    if ((op != Py_EQ && op != Py_NE) || !Spans_Check(a)) Py_RETURN_NOTIMPLEMENTED;
+    const Spans *x = (const Spans *)a;
+    if (Spans_Check(b)) {
+        const Spans *y = (const Spans *)b;
+        int eq = x->n == y->n && (x->n == 0 || memcmp(x->v, y->v, sizeof(Py_ssize_t) * 2 * (size_t)x->n) == 0);
+        return PyBool_FromLong(op == Py_EQ ? eq : !eq);
+    }
+    if (!PyList_Check(b) && !PyTuple_Check(b)) Py_RETURN_NOTIMPLEMENTED;
+    PyObject *mine = spans_list(x, 0, 1, x->n);
+    if (!mine) return NULL;
+    PyObject *other = PyTuple_Check(b) ? PySequence_List(b) : (Py_INCREF(b), b);
+    if (!other) {
+        Py_DECREF(mine);
+        return NULL;
+    }
+    PyObject *res = PyObject_RichCompare(mine, other, op);
+    Py_DECREF(mine);
+    Py_DECREF(other);
+    return res;
+}
+
+static PyObject *Spans_repr(Spans *self) {
+    PyObject *mine = spans_list(self, 0, 1, self->n);
+    if (!mine) return NULL;
+    PyObject *res = PyUnicode_FromFormat("Spans(%R)", mine);
+    Py_DECREF(mine);
+    return res;
+}
+
+/* Spans(iterable of (start, end)): for tests and tools; the engine makes them in extend. */
+static PyObject *Spans_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    PyObject *src = NULL;
+    if (kwds && PyDict_GET_SIZE(kwds)) {
+        PyErr_SetString(PyExc_TypeError, "Spans() takes no keyword arguments");
+        return NULL;
+    }
+    if (!PyArg_ParseTuple(args, "|O:Spans", &src)) return NULL;
+    PyObject *seq = src ? PySequence_Fast(src, "Spans(): expected an iterable of (start, end)") : PyList_New(0);
+    if (!seq) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    Spans *self = spans_alloc(n);
+    if (!self) {
+        Py_DECREF(seq);
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *t = PySequence_Fast_GET_ITEM(seq, i);
+        Py_ssize_t a, b;
+        if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 2) {
+            PyErr_SetString(PyExc_TypeError, "Spans(): expected (start, end) tuples");
+            goto fail;
+        }
+        a = PyLong_AsSsize_t(PyTuple_GET_ITEM(t, 0));
+        if (a == -1 && PyErr_Occurred()) goto fail;
+        b = PyLong_AsSsize_t(PyTuple_GET_ITEM(t, 1));
+        if (b == -1 && PyErr_Occurred()) goto fail;
+        if (spans_push(self, a, b) < 0) goto fail;
+    }
+    Py_DECREF(seq);
+    return (PyObject *)self;
+fail:
+    Py_DECREF(seq);
+    Py_DECREF(self);
+    return NULL;
+}
+
+static PyObject *Spans_sizeof(Spans *self, PyObject *Py_UNUSED(ignored)) {
+    return PyLong_FromSsize_t((Py_ssize_t)sizeof(Spans) + (Py_ssize_t)sizeof(Py_ssize_t) * 2 * self->cap);
+}
+
+static PySequenceMethods Spans_as_sequence = {
+    .sq_length = (lenfunc)Spans_len,
+    .sq_item = (ssizeargfunc)Spans_item,
+};
+
+static PyMappingMethods Spans_as_mapping = {
+    .mp_length = (lenfunc)Spans_len,
+    .mp_subscript = (binaryfunc)Spans_subscript,
+};
+
+static PyMethodDef Spans_methods[] = {
+    {"__sizeof__", (PyCFunction)Spans_sizeof, METH_NOARGS, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject SpansType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "tokcache.engine._speedups.Spans",
+    .tp_basicsize = sizeof(Spans),
+    .tp_dealloc = (destructor)Spans_dealloc,
+    .tp_repr = (reprfunc)Spans_repr,
+    .tp_as_sequence = &Spans_as_sequence,
+    .tp_as_mapping = &Spans_as_mapping,
+    .tp_hash = PyObject_HashNotImplemented,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Spans(iterable of (start, end)): boundary spans as one flat array; a read-only sequence of tuples.",
+    .tp_richcompare = Spans_richcompare,
+    .tp_methods = Spans_methods,
+    .tp_new = Spans_new,
+};
+
 PyDoc_STRVAR(scan_doc,
 "scan(data, pos, tail_from) -> (spans, tail, kept_end, stable)\n\n"
 "The added tokens of ``data`` from ``pos``, leftmost-longest: ``spans`` the (start, end) of\n"
@@ -213,7 +422,7 @@ PyDoc_STRVAR(scan_doc,
  * tail_from (unchanged if none); *stable: len(spans) when the first tail token was seen, else
  * len(spans) at the end. 0 on success, -1 with an exception set. */
 static int scan_into(const Matcher *self, const unsigned char *data, Py_ssize_t n, Py_ssize_t pos,
-                     Py_ssize_t tail_from, PyObject *spans, PyObject *tail, Py_ssize_t *kept_end, Py_ssize_t *stable) {
+                     Py_ssize_t tail_from, Spans *spans, PyObject *tail, Py_ssize_t *kept_end, Py_ssize_t *stable) {
     Py_ssize_t p = pos < 0 ? 0 : pos;
     *stable = -1;
     while (p < n) {
@@ -231,31 +440,23 @@ static int scan_into(const Matcher *self, const unsigned char *data, Py_ssize_t 
             p++;
             continue;
         }
-        PyObject *span = Py_BuildValue("(nn)", p, p + len);
-        if (!span) return -1;
-        /* Two ints: in no cycle (CPython untracks such a tuple itself, but only when a
-           collection first meets it). A scan's spans are kept for the conversation's next
-           turn, ~20 new ones per request: tracked, they were ~85% of what each young
-           collection traversed (~75 us each, every ~35 requests; 3x that with 16 processes
-           on 2 cores, whose caches are cold). */
-        PyObject_GC_UnTrack(span);
         if (p < tail_from) {
             *kept_end = p + len;
         } else {
-            if (*stable < 0) *stable = PyList_GET_SIZE(spans);
-            if (PyList_Append(tail, span) < 0) {
-                Py_DECREF(span);
-                return -1;
-            }
-        }
-        if (boundary && PyList_Append(spans, span) < 0) {
+            PyObject *span = Py_BuildValue("(nn)", p, p + len);
+            if (!span) return -1;
+            /* Two ints: in no cycle (CPython untracks such a tuple itself, but only when a
+               collection first meets it; a scan's tail is kept for the next turn). */
+            PyObject_GC_UnTrack(span);
+            if (*stable < 0) *stable = spans->n;
+            int failed = PyList_Append(tail, span) < 0;
             Py_DECREF(span);
-            return -1;
+            if (failed) return -1;
         }
-        Py_DECREF(span);
+        if (boundary && spans_push(spans, p, p + len) < 0) return -1;
         p += len;
     }
-    if (*stable < 0) *stable = PyList_GET_SIZE(spans);
+    if (*stable < 0) *stable = spans->n;
     return 0;
 }
 
@@ -263,16 +464,20 @@ static PyObject *Matcher_scan(Matcher *self, PyObject *args) {
     Py_buffer view;
     Py_ssize_t pos, tail_from;
     if (!PyArg_ParseTuple(args, "y*nn", &view, &pos, &tail_from)) return NULL;
-    PyObject *spans = PyList_New(0), *tail = PyList_New(0);
+    Spans *found = spans_alloc(64);
+    PyObject *tail = PyList_New(0), *spans = NULL;
     Py_ssize_t kept_end = -1, stable = -1;
-    if (!spans || !tail || scan_into(self, view.buf, view.len, pos, tail_from, spans, tail, &kept_end, &stable) < 0) {
+    if (!found || !tail || scan_into(self, view.buf, view.len, pos, tail_from, found, tail, &kept_end, &stable) < 0 ||
+        !(spans = spans_list(found, 0, 1, found->n))) {
         PyBuffer_Release(&view);
-        Py_XDECREF(spans);
+        Py_XDECREF(found);
         Py_XDECREF(tail);
         return NULL;
     }
     PyBuffer_Release(&view);
-    /* Lists of (int, int) tuples: in no cycle; kept by the memo (see py_untrack). */
+    Py_DECREF(found);
+    /* Lists of (int, int) tuples: in no cycle; kept by the memo (see py_untrack). The
+       Python path's scan keeps lists (it extends them); the native extend makes Spans. */
     PyObject_GC_UnTrack(spans);
     PyObject_GC_UnTrack(tail);
     return Py_BuildValue("(NNnn)", spans, tail, kept_end, stable);
@@ -318,8 +523,18 @@ static int as_ssize(PyObject *o, Py_ssize_t *out) {
     return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
 }
 
-/* The (start, end) of spans[i]. */
+/* len(spans): a Spans or a list of (start, end). */
+static inline Py_ssize_t spans_len(PyObject *spans) {
+    return Spans_Check(spans) ? ((Spans *)spans)->n : PyList_GET_SIZE(spans);
+}
+
+/* The (start, end) of spans[i] (0 <= i < spans_len: the caller's bound). */
 static int span_at(PyObject *spans, Py_ssize_t i, Py_ssize_t *start, Py_ssize_t *end) {
+    if (Spans_Check(spans)) {
+        *start = ((Spans *)spans)->v[2 * i];
+        *end = ((Spans *)spans)->v[2 * i + 1];
+        return 0;
+    }
     PyObject *t = PyList_GET_ITEM(spans, i);
     if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 2) {
         PyErr_SetString(PyExc_TypeError, "spans: a list of (start, end)");
@@ -507,16 +722,28 @@ static PyObject *py_extend(PyObject *self, PyObject *args) {
     if (!base_spans || attr_ssize(base, s_stable, &b_stable) < 0 || attr_ssize(base, s_tail_from, &b_tail_from) < 0 ||
         attr_ssize(base, s_kept_end, &b_kept_end) < 0)
         goto fail;
-    if (!PyList_Check(base_spans) || b_stable > PyList_GET_SIZE(base_spans)) DECLINE(TK_BASE_STATE);
-    spans = PyList_GetSlice(base_spans, 0, b_stable);
+    if (!(Spans_Check(base_spans) || PyList_Check(base_spans)) || b_stable < 0 || b_stable > spans_len(base_spans))
+        DECLINE(TK_BASE_STATE);
+    /* The base's stable spans, copied flat (see Spans), then the new ones appended. */
+    Spans *own = spans_alloc(b_stable + 64);
+    spans = (PyObject *)own;
     tail_list = PyList_New(0);
     if (!spans || !tail_list) goto fail;
+    if (Spans_Check(base_spans)) {
+        if (b_stable) memcpy(own->v, ((Spans *)base_spans)->v, sizeof(Py_ssize_t) * 2 * (size_t)b_stable);
+        own->n = b_stable;
+    } else {
+        for (Py_ssize_t i = 0; i < b_stable; i++) {
+            Py_ssize_t si, ei;
+            if (span_at(base_spans, i, &si, &ei) < 0 || spans_push(own, si, ei) < 0) goto fail;
+        }
+    }
     Py_ssize_t tail_from = total - maxlen + 1 > 0 ? total - maxlen + 1 : 0, kept_end = b_kept_end, stable;
     if (scan_into(matcher, (const unsigned char *)PyBytes_AS_STRING(data), total,
-                  b_tail_from > b_kept_end ? b_tail_from : b_kept_end, tail_from, spans, tail_list, &kept_end,
+                  b_tail_from > b_kept_end ? b_tail_from : b_kept_end, tail_from, own, tail_list, &kept_end,
                   &stable) < 0)
         goto fail;
-    Py_ssize_t n = PyList_GET_SIZE(spans);
+    Py_ssize_t n = own->n;
     if (r_cut < 0 || r_cut >= n || stable < 1 || stable - 1 < r_cut) DECLINE(TK_UNSTABLE);
 
     /* 5. Keyed cuts (KEY_GRID): the base's up to its state's cut, then the new ones. */
@@ -718,8 +945,8 @@ static PyObject *py_extend(PyObject *self, PyObject *args) {
         have_view = 0;
         PyObject_GC_UnTrack(ar_keys);
     }
-    /* Lists of ints, (int, int) tuples, bytes or None: in no cycle (see py_untrack). */
-    PyObject_GC_UnTrack(spans);
+    /* Lists of ints, (int, int) tuples, bytes or None: in no cycle (see py_untrack). (Spans
+       holds no objects: not tracked.) */
     PyObject_GC_UnTrack(tail_list);
     PyObject_GC_UnTrack(keyed);
     PyObject_GC_UnTrack(keys);
@@ -770,10 +997,13 @@ PyDoc_STRVAR(cut_tokens_doc,
 static PyObject *py_cut_tokens(PyObject *self, PyObject *args) {
     PyObject *data, *spans, *keyed, *ids, *id_of, *at;
     Py_ssize_t i, last, k, pos;
-    if (!PyArg_ParseTuple(args, "O!O!nnO!nO!nO!O!", &PyBytes_Type, &data, &PyList_Type, &spans, &i, &last,
-                          &PyList_Type, &keyed, &k, &PyList_Type, &ids, &pos, &PyDict_Type, &id_of, &PyDict_Type,
-                          &at))
+    if (!PyArg_ParseTuple(args, "O!OnnO!nO!nO!O!", &PyBytes_Type, &data, &spans, &i, &last, &PyList_Type, &keyed,
+                          &k, &PyList_Type, &ids, &pos, &PyDict_Type, &id_of, &PyDict_Type, &at))
         return NULL;
+    if (!Spans_Check(spans) && !PyList_Check(spans)) {
+        PyErr_SetString(PyExc_TypeError, "cut_tokens: spans must be a Spans or a list of (start, end)");
+        return NULL;
+    }
     const char *buf = PyBytes_AS_STRING(data);
     Py_ssize_t len = PyBytes_GET_SIZE(data);
     if (i < 0 || k < 0 || pos < 0) {
@@ -781,7 +1011,7 @@ static PyObject *py_cut_tokens(PyObject *self, PyObject *args) {
         return NULL;
     }
     Py_ssize_t next_keyed = -1;
-    for (; i <= last && i < PyList_GET_SIZE(spans); i++) {
+    for (; i <= last && i < spans_len(spans); i++) {
         Py_ssize_t s, e;
         if (span_at(spans, i, &s, &e) < 0) return NULL;
         if (s < 0 || e < s || e > len) {
@@ -912,6 +1142,10 @@ PyDoc_STRVAR(untrack_doc,
 "encodings), touching each int in memory. Refcounting still frees it.");
 
 static PyObject *py_untrack(PyObject *self, PyObject *ids) {
+    if (Spans_Check(ids)) { /* holds no objects: never tracked */
+        Py_INCREF(ids);
+        return ids;
+    }
     if (!PyList_CheckExact(ids)) {
         PyErr_SetString(PyExc_TypeError, "untrack: expected a list");
         return NULL;
@@ -1152,7 +1386,7 @@ static struct PyModuleDef module = {
 };
 
 PyMODINIT_FUNC PyInit__speedups(void) {
-    if (PyType_Ready(&MatcherType) < 0) return NULL;
+    if (PyType_Ready(&MatcherType) < 0 || PyType_Ready(&SpansType) < 0) return NULL;
     const uint16_t one = 1;
     if (*(const unsigned char *)&one != 1) {
         PyErr_SetString(PyExc_ImportError, "tokcache.engine._speedups assumes a little-endian host");
@@ -1182,8 +1416,14 @@ PyMODINIT_FUNC PyInit__speedups(void) {
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
     Py_INCREF(&MatcherType);
-    if (PyModule_AddIntConstant(m, "API", 14) < 0 || PyModule_AddObject(m, "Matcher", (PyObject *)&MatcherType) < 0) {
+    if (PyModule_AddIntConstant(m, "API", 15) < 0 || PyModule_AddObject(m, "Matcher", (PyObject *)&MatcherType) < 0) {
         Py_DECREF(&MatcherType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(&SpansType);
+    if (PyModule_AddObject(m, "Spans", (PyObject *)&SpansType) < 0) {
+        Py_DECREF(&SpansType);
         Py_DECREF(m);
         return NULL;
     }

@@ -158,7 +158,8 @@ class Scan:
     """A scanned text: its boundary spans, and what the next scan of a text extending it needs.
 
     ``data`` is the UTF-8 text (``text`` the str it came from, when scanned from one);
-    ``spans`` every boundary token's (start, end); ``tail`` the (start, end) of every
+    ``spans`` every boundary token's (start, end) (a list of tuples, or the native fast path's
+    ``_speedups.Spans``: the same as a read-only sequence); ``tail`` the (start, end) of every
     added-token match that starts within ``maxlen`` bytes of the end (a longer text may
     match differently there), ``tail_from`` where that region starts and ``kept_end`` the
     end of the last match that starts before it. ``base_len`` is the length of the text it
@@ -171,7 +172,7 @@ class Scan:
     """
 
     data: bytes
-    spans: list[tuple[int, int]]
+    spans: Sequence[tuple[int, int]]
     tail: list[tuple[int, int]]
     tail_from: int
     kept_end: int
@@ -551,7 +552,7 @@ class BoundaryScanner:
             # Matches that start before the base's tail region cannot change (no added token
             # is longer than maxlen); the region itself is scanned again with the new text.
             kept_end = base.kept_end
-            spans = base.spans[:base.stable]
+            spans = list(base.spans[:base.stable])  # (a Spans' slice is a list already: this path is rare)
             pos = max(base.tail_from, kept_end)
         tail_from = max(0, len(data) - self._maxlen + 1)
         if self._matcher is not None:
@@ -581,7 +582,8 @@ class BoundaryScanner:
 
     def _keep(self, scan: Scan, base: Scan | None) -> Scan:
         """File ``scan`` among the recent texts, superseding ``base``; returns it."""
-        untrack(scan.spans)  # kept: see tokcache.engine.ids.untrack (the native scan did it already)
+        if isinstance(scan.spans, list):  # (a native Spans holds no objects: never tracked)
+            untrack(scan.spans)  # kept: see tokcache.engine.ids.untrack (the native scan did it already)
         # The text this one extends is superseded: a conversation keeps one entry (its latest
         # turn), so the budget holds as many conversations as it can.
         with self._lock:

@@ -777,7 +777,7 @@ class Lookup(Generic[Ids, Out]):
             return False
         return self.heads.offer_key(key, lambda: self._read(store, key))
 
-    def _find_hit(self, store: CacheView | None, keys: TextKeys, spans: list[tuple[int, int]], ar: bool,
+    def _find_hit(self, store: CacheView | None, keys: TextKeys, spans: Sequence[tuple[int, int]], ar: bool,
                   decision: Decision) -> _Hit[Ids]:
         n = len(spans)
         if store is None:
@@ -807,7 +807,7 @@ class Lookup(Generic[Ids, Out]):
             decision.store_errors += 1
             return _Hit(None, 0, 0, None, 0)
 
-    def _ar_hit(self, store: CacheView, ar_keys: list[bytes], j: int, i: int, spans: list[tuple[int, int]],
+    def _ar_hit(self, store: CacheView, ar_keys: list[bytes], j: int, i: int, spans: Sequence[tuple[int, int]],
                 hit: _Hit[Ids], decision: Decision) -> _Hit[Ids]:
         """The prefix AR hit past the L1 cut ``j`` (``hit``): from ``i``, the highest live AR key
         (-1: none) down, the first whose chain reads; else ``hit``. Raises StoreError."""

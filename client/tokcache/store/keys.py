@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 from bisect import bisect_right
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from ._hash import Hasher, feed
@@ -127,7 +128,7 @@ def _segment_root(salt: str, mode: bytes) -> Any:  # noqa: ANN401 - blake3's has
 KEY_GRID = 2048
 
 
-def extend_keyed(spans: list[tuple[int, int]], grid: int, start: int, keyed: list[int]) -> None:
+def extend_keyed(spans: Sequence[tuple[int, int]], grid: int, start: int, keyed: list[int]) -> None:
     """Append to ``keyed`` the indices ``i >= start`` of the cuts of ``spans`` that carry a key."""
     prev_block = spans[start - 1][1] // grid if start > 0 and grid else -1
     for i in range(start, len(spans)):
@@ -202,7 +203,7 @@ class TextKeys:
     __slots__ = ("_root", "_data", "_spans", "_keyed", "_keys", "_ar_keys", "_exact", "_resume", "_marks",
                  "_state")
 
-    def __init__(self, data: bytes, spans: list[tuple[int, int]], salt: str, mode: bytes,
+    def __init__(self, data: bytes, spans: Sequence[tuple[int, int]], salt: str, mode: bytes,
                  resume: KeyState | None = None, *, grid: int = KEY_GRID) -> None:
         self._root = root_hasher(salt, mode)
         self._data = data
@@ -236,7 +237,7 @@ class TextKeys:
         self._state: KeyState | None = None
 
     @classmethod
-    def from_state(cls, data: bytes, spans: list[tuple[int, int]], salt: str, mode: bytes, keyed: list[int],
+    def from_state(cls, data: bytes, spans: Sequence[tuple[int, int]], salt: str, mode: bytes, keyed: list[int],
                    keys: list[bytes | None], exact: bytes, cut: int, hasher: Any,  # noqa: ANN401
                    resume: KeyState | None, *, grid: int = KEY_GRID,
                    ar_keys: list[bytes | None] | None = None) -> TextKeys:
@@ -263,7 +264,7 @@ class TextKeys:
         return self._data
 
     @property
-    def spans(self) -> list[tuple[int, int]]:
+    def spans(self) -> Sequence[tuple[int, int]]:
         """The boundary spans the keys are at."""
         return self._spans
 

@@ -12,6 +12,7 @@ reference builds none.
 
 from __future__ import annotations
 
+import bisect
 import gc
 import random
 import time
@@ -147,7 +148,7 @@ def test_native_and_python_paths_agree_along_long_chats(engine: ModelEngine, mod
         eos = {"qwen3": "<|im_end|>", "llama32": "<|eot_id|>"}[engine.name]
         eos_id = engine.reference.encode(eos)
         assert len(eos_id) == 1
-        recorded = ar_turns = spliced_turns = 0
+        recorded = ar_turns = spliced_turns = flat_scans = 0
         for turn in range(turns):
             msgs.append({"role": "user", "content": _para(rng, rng.randint(20, 400))})
             text = engine.render(msgs, add_generation_prompt=True)
@@ -167,6 +168,13 @@ def test_native_and_python_paths_agree_along_long_chats(engine: ModelEngine, mod
             if got.ready is not None:  # after the reply, as the write-behind does
                 fast.heads.build(got.ready)
             assert want.ready is None or want.ready.tokens <= len(want.ids)
+            # The text filed for the next turn: a native read keeps its spans flat (Spans), equal
+            # to the Python path's list of the same text.
+            got_scan, want_scan = own_model.scanner.bases()[0][0], model.scanner.bases()[0][0]
+            assert got_scan.data == want_scan.data == text.encode()
+            assert got_scan.spans == want_scan.spans and list(got_scan.spans) == list(want_scan.spans), turn
+            assert got_scan.stable == want_scan.stable and got_scan.tail == want_scan.tail, turn
+            flat_scans += type(got_scan.spans) is lookup_mod._native.Spans
             ar_turns += got.decision.source == "ar"
             spliced_turns += got.decision.segment_splices > 0
             for name in ("source", "cached_tokens", "cached_chars", "encoded_chars", "boundaries", "l0_hit",
@@ -206,6 +214,7 @@ def test_native_and_python_paths_agree_along_long_chats(engine: ModelEngine, mod
         # The native path served the steady state, not a turn or two; so did heads, where
         # the caller's list has no prefix token before them.
         assert counting.served >= turns // 2, (counting.served, counting.calls)
+        assert flat_scans == counting.served, (flat_scans, counting.served)  # every native read's scan
         if record:  # recorded outputs decided most turns, on both sides
             assert recorded >= turns - 2 and ar_turns >= turns // 2, (recorded, ar_turns)
             assert counting.with_ar >= turns // 3, (counting.with_ar, counting.served)
@@ -648,6 +657,41 @@ def test_native_cut_tokens_equals_the_python_walk(engine: ModelEngine, model: Re
         want = _cut_tokens(scan, keyed, odd, id_of, 0, 0, {0: 0})
         monkeypatch.setattr(lookup_mod, "_native", native)
         assert _cut_tokens(scan, keyed, odd, id_of, 0, 0, {0: 0}) == want
+
+
+def test_spans_is_a_read_only_sequence_of_the_tuples_it_holds() -> None:
+    """``_speedups.Spans`` (a native read's boundary spans, one flat array) reads as the list of
+    (start, end) tuples it replaces, everywhere the Python code reads spans: length, indexing
+    (negative too), slices (lists), iteration, bisect, equality with a list; its tuples are not
+    tracked by the cyclic GC; bad input is a clear TypeError or IndexError."""
+    Spans = lookup_mod._native.Spans
+    pairs = [(0, 12), (40, 52), (52, 60), (1 << 40, (1 << 40) + 3)]
+    spans = Spans(pairs)
+    assert len(spans) == 4 and spans and not Spans([]) and len(Spans()) == 0
+    assert spans[0] == (0, 12) and spans[-1] == pairs[-1] and spans[-4] == pairs[0]
+    assert spans[1:3] == pairs[1:3] and type(spans[1:3]) is list and spans[::-1] == pairs[::-1] and spans[5:] == []
+    assert list(spans) == pairs and [e for _, e in spans] == [e for _, e in pairs]
+    assert spans == pairs and pairs == spans and spans == tuple(pairs)
+    assert spans != pairs[:3] and spans != pairs + [(9, 9)]
+    assert spans == Spans(pairs) and spans != Spans(pairs[:3]) and (spans == "x") is False
+    for x in (0, 1, 40, 41, 52, 53, 1 << 40, 1 << 41):
+        assert bisect.bisect_left(spans, (x, -1)) == bisect.bisect_left(pairs, (x, -1)), x
+    assert not gc.is_tracked(spans) and not [t for t in spans if gc.is_tracked(t)]
+    assert untrack(spans) is spans  # type: ignore[type-var]  # (a no-op: it holds no objects)
+    assert repr(spans) == f"Spans({pairs!r})" and spans.__sizeof__() >= 16 * len(pairs)
+    with pytest.raises(IndexError):
+        spans[4]
+    with pytest.raises(IndexError):
+        spans[-5]
+    with pytest.raises(TypeError):
+        spans["a"]  # type: ignore[index]
+    with pytest.raises(TypeError):
+        hash(spans)
+    for bad in ([(1, 2, 3)], [[1, 2]], [(1, "a")], 5):
+        with pytest.raises(TypeError):
+            Spans(bad)
+    with pytest.raises(TypeError):
+        spans[0] = (1, 2)  # type: ignore[index]
 
 
 def test_a_stale_build_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
