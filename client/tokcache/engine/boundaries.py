@@ -28,7 +28,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from tokcache import native
 from tokcache.engine.encoder import Encoder
@@ -552,7 +552,8 @@ class BoundaryScanner:
             # Matches that start before the base's tail region cannot change (no added token
             # is longer than maxlen); the region itself is scanned again with the new text.
             kept_end = base.kept_end
-            spans = list(base.spans[:base.stable])  # (a Spans' slice is a list already: this path is rare)
+            # A list either way (a Spans' slice is one too): extended below, never the base's.
+            spans = cast("list[tuple[int, int]]", base.spans[:base.stable])
             pos = max(base.tail_from, kept_end)
         tail_from = max(0, len(data) - self._maxlen + 1)
         if self._matcher is not None:
