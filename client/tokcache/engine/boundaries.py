@@ -386,6 +386,11 @@ class BoundaryScanner:
         # the native fast path can use (it never probes anchors). A text leaves it for the
         # anchors when newer ones push it out.
         self._recent: list[Scan] = []
+        # Each recent text's ``root`` (None: it is one), in step with _recent: what bases() answers
+        # is made from them without reading each recent Scan again (cold at the next request of a
+        # busy process: the comprehension over 64 of them cost ~5 µs of each, one client process
+        # replaying bench/concurrency.py's 57 KB chats, cProfile).
+        self._recent_roots: list[Scan | None] = []
         self._recent_max = recent
         # The latest texts that extended none of the latest ones (see _MEMO_ROOTS), newest
         # first, and their weight (apart from _bytes: a root in the memo too counts twice).
@@ -431,7 +436,7 @@ class BoundaryScanner:
         """Make what :meth:`bases` answers from the latest texts and roots. Lock held."""
         bases = list(self._recent)
         n = len(bases)
-        bases += [c.root for c in bases if c.root is not None]
+        bases += filter(None, self._recent_roots)  # (a Scan is always true)
         bases += self._roots
         self._bases = (bases, n)
 
@@ -593,13 +598,16 @@ class BoundaryScanner:
                 if base.filed is not None:
                     self._drop(base.filed, base)
                 elif base in recent:
-                    recent.remove(base)
+                    i = recent.index(base)
+                    del recent[i], self._recent_roots[i]
                     self._bytes -= base.weight
             if base is not None and scan.root is None:
                 self._drop_line(base)
             recent.insert(0, scan)
+            self._recent_roots.insert(0, scan.root)
             self._bytes += scan.weight
             if len(recent) > self._recent_max:
+                self._recent_roots.pop()
                 self._file_old(recent.pop())
             while self._bytes > self._memo_bytes and self._memo:
                 _, gone = self._memo.popitem(last=False)
@@ -607,6 +615,7 @@ class BoundaryScanner:
                 for e in gone:
                     e.filed = None
             while self._bytes > self._memo_bytes and recent:
+                self._recent_roots.pop()
                 self._bytes -= recent.pop().weight
             if scan.root is None:
                 self._root(scan, base)
@@ -638,11 +647,15 @@ class BoundaryScanner:
         fresh process grows by (on a VM that backs memory lazily, a host fault per new page; see
         bench/first_touch.py). Only a speed-up is lost if that text comes back (a retried turn: it is
         scanned again, or from a shared prefix), never ids. Lock held."""
-        recent = self._recent
-        for c in [c for c in recent if c.root is root]:
-            recent.remove(c)
-            self._bytes -= c.weight
-            c.superseded = True
+        recent, roots = self._recent, self._recent_roots
+        if root in roots:
+            kept = [k for k, r in enumerate(roots) if r is not root]
+            for k, c in enumerate(recent):
+                if roots[k] is root:
+                    self._bytes -= c.weight
+                    c.superseded = True
+            recent[:] = [recent[k] for k in kept]  # (in place: _keep holds the list)
+            roots[:] = [roots[k] for k in kept]
         key = root.line_key
         if key is not None:
             root.line_key = None
