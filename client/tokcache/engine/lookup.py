@@ -130,7 +130,6 @@ class CacheView(Protocol):
     def last_present(self, keys: list[bytes], lo: int, hi: int) -> int: ...
     def slot(self, key: bytes) -> tuple[int, int] | None: ...
     def holds_ar(self) -> bool: ...
-    def marks(self) -> bool: ...
     def marks_live(self, now: float) -> bool: ...
     def read(self, key: bytes, known: Known | None = None) -> Walk | None: ...
 
@@ -829,9 +828,11 @@ class Lookup(Generic[Ids, Out]):
         """Whether a mark (``Store.mark``) says an output recorded in another process ends
         at a cut ``>= lo`` past the hit: its response was sent before the sidecar stored it
         (the response's wait for its record timed out), so a client may already send the
-        turn that follows it. Free while no mark was ever put in the segment."""
+        turn that follows it. Free while no mark put in the segment may be live: the gate the
+        native path (:meth:`_extend`) uses, so both probe the same marks, and neither does once
+        every mark ever put has expired (a mark only says "wait" until its deadline)."""
         try:
-            if not store.marks():
+            if not store.marks_live(time.time()):
                 return False
             n = len(keys.ar_keys)
             if lo >= n:
