@@ -208,7 +208,18 @@ def test_a_rewritten_history_extends_the_root_of_its_line(qwen3_path: Path, rece
                 else:  # the first prompt's line: every rewrite is scanned from there at least
                     assert got.base_len >= len(first[c].encode()), (round_, c)
                 line_root[c] = latest[c] = text
+                _check_recent(scanner)
         assert len(scanner._roots) <= boundaries._MEMO_ROOTS
+
+
+def _check_recent(scanner: BoundaryScanner) -> None:
+    """The scanner's list of each recent text's root stays in step with the recent texts, and
+    bases() answers the latest texts, then their roots, then the latest roots."""
+    recent, roots = scanner._recent, scanner._recent_roots
+    assert len(roots) == len(recent) and all(r is c.root for r, c in zip(roots, recent, strict=True))
+    bases, n = scanner.bases()
+    want = list(recent) + [c.root for c in recent if c.root is not None] + list(scanner._roots)
+    assert n == len(recent) and len(bases) == len(want) and all(a is b for a, b in zip(bases, want, strict=True))
 
 
 @pytest.mark.parametrize("others", [0, 4])  # 4: the line's latest text left the latest ones (filed)
@@ -239,6 +250,7 @@ def test_a_rewrite_drops_the_line_it_rewrote(qwen3_path: Path, others: int) -> N
         for _ in range(4):  # turns that extend the latest (with reasoning)
             latest += f"<think>{words(40)}</think><tool_call>{words(30)}</tool_call><|im_end|>\n"
             assert scanner.scan_text(latest).root is root
+            _check_recent(scanner)
         assert [e for e in held(scanner) if e.root is root]
         for i in range(others):  # other conversations' first prompts
             scanner.scan_text(f"<|im_start|>user\nother {round_}.{i}: {words(900)}<|im_end|>\n")
@@ -248,6 +260,7 @@ def test_a_rewrite_drops_the_line_it_rewrote(qwen3_path: Path, others: int) -> N
         assert got.base_len == len(line_root.encode()) and got.root is None, round_
         assert got.spans == fresh.spans(got.data)
         assert not [e for e in held(scanner) if e.root is root], round_
+        _check_recent(scanner)
         assert scanner._bytes == sum(e.weight for e in held(scanner))
         line_root = latest = text
         root = got
@@ -263,6 +276,7 @@ def test_roots_stay_within_the_memo_budget(qwen3_path: Path) -> None:
             text = f"<|im_start|>user\n{i} " + "x" * 5000 + "<|im_end|>\n"
             assert scanner.scan_text(text).spans == [(0, 12), (len(text) - 11, len(text) - 1)]
             assert scanner._root_bytes == sum(r.weight for r in scanner._roots) <= budget // 4
+            _check_recent(scanner)  # (the budget pops recent texts too)
 
 
 def test_common_prefix_native_equals_reference() -> None:
