@@ -92,9 +92,11 @@ def percentile(values: list[float], q: float) -> float | None:
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
-def _client(name: str, tok_dir: Path, target: str, smg_port: int, texts: list[str]) -> Any:
+def _client(name: str, tok_dir: Path, target: str, smg_port: int, texts: list[str],
+            min_write_bytes: int | None = None) -> Any:
     """A callable text -> list[int] for contender ``name``, built in the child process (``texts``: the
-    turns it will replay, for ``tokcache-ar``'s outputs)."""
+    turns it will replay, for ``tokcache-ar``'s outputs; ``min_write_bytes``: the tokcache client's,
+    None for its default)."""
     tj = tok_dir / "tokenizer.json"
     if name.startswith("fastokens"):
         import fastokens
@@ -122,7 +124,8 @@ def _client(name: str, tok_dir: Path, target: str, smg_port: int, texts: list[st
         return smg
     from sidecar_client import SidecarClient
 
-    client = SidecarClient(target, zero_rpc=name != "tokcache-rpc", timeout=60)
+    more = {} if min_write_bytes is None else {"min_write_bytes": min_write_bytes}
+    client = SidecarClient(target, zero_rpc=name != "tokcache-rpc", timeout=60, **more)
 
     def tc(text: str) -> list[int]:
         return client.tokenize("bench", text=text, add_special_tokens=False).token_ids
@@ -188,7 +191,7 @@ def _child(name: str, index: int, args: dict[str, Any], texts: list[str], barrie
 
         tok_dir = Path(args["tok_dir"])
         ref = tokenizers.Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
-        fn = _client(name, tok_dir, args["target_addr"], args["smg_port"], texts)
+        fn = _client(name, tok_dir, args["target_addr"], args["smg_port"], texts, args.get("min_write_bytes"))
         fn("warm-up: hello")  # connect / map / load before the clock starts
         record = getattr(fn, "record", None)
         if args["gc_freeze"]:
@@ -297,7 +300,7 @@ def run_one(name: str, procs: int, args: argparse.Namespace, tok_dir: Path,
     barrier = ctx.Barrier(procs + 1)
     out = ctx.Queue()
     child_args = {"tok_dir": str(tok_dir), "target_addr": target, "smg_port": smg_port, "check": args.check,
-                  "gc_freeze": args.gc_freeze}
+                  "gc_freeze": args.gc_freeze, "min_write_bytes": args.min_write_bytes}
     children = [ctx.Process(target=_child, args=(name, i, child_args, texts[i], barrier, out), daemon=True)
                 for i in range(procs)]
     try:
@@ -415,6 +418,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--prime-mb", type=int, default=0,
                     help="MiB this process writes and frees once the clients wait at the barrier, before each "
                          "run's clock (default 0: none; see the module docstring)")
+    ap.add_argument("--min-write-bytes", type=int, default=None,
+                    help="the tokcache clients' min_write_bytes (default: the client's, 16384): a read whose "
+                         "uncached tail is shorter stores nothing; higher stores less often, for processes whose "
+                         "conversations never move to another process")
     ap.add_argument("--tokenizer-dir", type=Path, default=None)
     ap.add_argument("--out-dir", type=Path, default=HERE / "out")
     args = ap.parse_args(argv)
@@ -432,6 +439,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error("--in-flight must be at least 1")
     if args.prime_mb < 0:
         ap.error("--prime-mb must be 0 or more")
+    if args.min_write_bytes is not None and args.min_write_bytes < 0:
+        ap.error("--min-write-bytes must be 0 or more")
     if args.conversations < 0 or 0 < args.conversations < max(args.proc_list):
         ap.error("--conversations must be 0 (use --passes) or at least the largest P")
     return args
@@ -448,7 +457,8 @@ def main(argv: list[str] | None = None) -> int:
         "config": {"procs": args.proc_list, "rounds": args.rounds, "passes": args.passes,
                    "conversations": args.conversations, "turns": args.turns,
                    "target_bytes": args.target_bytes, "tokenizer_dir": str(tok_dir), "seed": args.seed,
-                   "gc_freeze": args.gc_freeze, "prime_mb": args.prime_mb, "in_flight": args.in_flight},
+                   "gc_freeze": args.gc_freeze, "prime_mb": args.prime_mb, "in_flight": args.in_flight,
+                   "min_write_bytes": args.min_write_bytes},
         "environment": {"python": platform.python_version(), "cpus": os.cpu_count(),
                         "loadavg_at_start": list(os.getloadavg()),
                         "balloon_free_page_reporting": balloon_reporting()},
@@ -506,7 +516,9 @@ def print_report(res: dict[str, Any]) -> None:
         each += f", {cfg['in_flight']} at a time per process"
     print(f"\n== concurrency: P client processes x {each} x {cfg['turns']} turns "
           f"(~{cfg['target_bytes'] / 1000:.0f} KB at the last turn), {res['environment']['cpus']} CPUs"
-          + (f", {cfg['prime_mb']} MiB primed before each run" if cfg.get("prime_mb") else "") + " ==")
+          + (f", {cfg['prime_mb']} MiB primed before each run" if cfg.get("prime_mb") else "")
+          + (f", tokcache min_write_bytes {cfg['min_write_bytes']}" if cfg.get("min_write_bytes") is not None else "")
+          + " ==")
     if res["environment"].get("balloon_free_page_reporting") and not cfg.get("prime_mb"):
         print("(this VM's balloon reports free pages to its host: a page a process touches first costs a host "
               "fault unless the guest used it lately; bench/first_touch.py measures it, --prime-mb models a "

@@ -122,6 +122,29 @@ def test_concurrency_rounds_report_medians(tmp_path: Path) -> None:
     assert result["config"]["prime_mb"] == 16 and "16 MiB primed before each run" in proc.stdout
 
 
+@pytest.mark.skipif(_sidecar_missing() is not None, reason=str(_sidecar_missing()))
+def test_concurrency_min_write_bytes_reaches_the_tokcache_clients(tmp_path: Path) -> None:
+    """--min-write-bytes 0: every tokcache read offers its write (none skipped for its size), the
+    setting recorded in the JSON and the report's header; a negative value is refused."""
+    from bench.concurrency import parse_args
+
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "concurrency.py"), "--quick", "--procs", "1", "--contenders",
+         "tokcache", "--min-write-bytes", "0", "--out-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=300, cwd=REPO,
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    result = json.loads((tmp_path / "concurrency.json").read_text())
+    assert result["config"]["min_write_bytes"] == 0
+    run = result["runs"]["1"]["tokcache"]
+    assert run["status"] == "ok" and run["mismatches"] == 0, run
+    assert run["writes"].get("skipped", 0) == 0 and run["writes"].get("stored", 0) > 0, run["writes"]
+    assert "tokcache min_write_bytes 0" in proc.stdout
+    assert parse_args([]).min_write_bytes is None  # the client's own default
+    with pytest.raises(SystemExit):
+        parse_args(["--min-write-bytes", "-1"])
+
+
 def test_concurrency_ratio_and_median_helpers() -> None:
     """ratios_of / median_run, on runs made up here: the arithmetic the report rests on."""
     import statistics
