@@ -1,13 +1,39 @@
-"""The committed generated code is exactly what proto/ generates."""
+"""The committed generated code is what proto/ generates, up to the generators' version stamps."""
 
 from __future__ import annotations
 
-import filecmp
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+
+# What protoc and its gRPC plugin stamp with their own version, not the proto's content: the
+# grpcio the stubs ask for at import, the protobuf runtime the messages check, and a comment.
+# A new grpcio-tools on PyPI changes them (1.85.1 -> 1.85.4 did, between two stops), and a
+# clean install gets the newest: compared byte for byte, every CI run after such a release
+# failed until someone regenerated. The committed stamps are the floors pyproject.toml states.
+_STAMPS = [
+    re.compile(r"^GRPC_GENERATED_VERSION = '[0-9.]+'$", re.M),
+    re.compile(r"^# Protobuf Python Version: \S+$", re.M),
+    re.compile(r"^_runtime_version\.ValidateProtobufRuntimeVersion\(\n(?:.*\n)*?\)$", re.M),
+]
+
+
+def _content(path: Path) -> str:
+    text = path.read_text(encoding="utf-8")
+    for stamp in _STAMPS:
+        text = stamp.sub("<generator version>", text)
+    return text
+
+
+def _floor(requirement: str) -> tuple[int, ...]:
+    """The version a ``name>=x.y.z`` dependency of pyproject.toml states."""
+    pyproject = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    m = re.search(rf'"{re.escape(requirement)}>=([0-9.]+)"', pyproject)
+    assert m, f"pyproject.toml states no floor for {requirement}"
+    return tuple(int(x) for x in m.group(1).split("."))
 
 
 def test_regenerating_changes_nothing(tmp_path: Path) -> None:
@@ -22,6 +48,23 @@ def test_regenerating_changes_nothing(tmp_path: Path) -> None:
     for path in written:
         rel = path.relative_to(tmp_path)
         assert (committed / rel).is_file(), f"{rel} is generated but not committed"
-        assert filecmp.cmp(path, committed / rel, shallow=False), f"{rel} differs: run `make proto`"
+        assert _content(path) == _content(committed / rel), f"{rel} differs: run `make proto`"
     generated = {p.relative_to(committed) for p in committed.joinpath("tokcache").rglob("*_pb2*.py*")}
     assert generated == {p.relative_to(tmp_path) for p in written}, "stale generated files"
+
+
+def test_the_stamps_are_what_the_dependencies_promise() -> None:
+    """The committed stubs refuse to import under an older grpcio, and the messages under an
+    older protobuf, than their stamps: the dependency floors say at least as much, so an install
+    that satisfies pyproject.toml imports them."""
+    grpc_py = (ROOT / "client" / "tokcache" / "v1" / "tokenizer_pb2_grpc.py").read_text(encoding="utf-8")
+    m = re.search(r"^GRPC_GENERATED_VERSION = '([0-9.]+)'$", grpc_py, re.M)
+    assert m
+    assert _floor("grpcio") >= tuple(int(x) for x in m.group(1).split("."))
+    pb2 = (ROOT / "client" / "tokcache" / "v1" / "tokenizer_pb2.py").read_text(encoding="utf-8")
+    m = re.search(r"ValidateProtobufRuntimeVersion\(\s*\S+,\s*(\d+),\s*(\d+),\s*(\d+),", pb2)
+    assert m
+    assert _floor("protobuf") >= tuple(int(x) for x in m.groups())
+    # The stamps themselves are still found (else the comparison above ignores nothing).
+    for stamp, text in ((_STAMPS[0], grpc_py), (_STAMPS[1], pb2), (_STAMPS[2], pb2)):
+        assert stamp.search(text), stamp.pattern
