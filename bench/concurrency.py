@@ -191,7 +191,7 @@ def _child(name: str, index: int, args: dict[str, Any], texts: list[str], barrie
 
         tok_dir = Path(args["tok_dir"])
         ref = tokenizers.Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
-        fn = _client(name, tok_dir, args["target_addr"], args["smg_port"], texts, args.get("min_write_bytes"))
+        fn = _client(name, tok_dir, args["target_addr"], args["smg_port"], texts, args["min_write_bytes"])
         fn("warm-up: hello")  # connect / map / load before the clock starts
         record = getattr(fn, "record", None)
         if args["gc_freeze"]:

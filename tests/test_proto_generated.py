@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # clean install gets the newest: compared byte for byte, every CI run after such a release
 # failed until someone regenerated. The committed stamps are the floors pyproject.toml states.
 _STAMPS = [
-    re.compile(r"^GRPC_GENERATED_VERSION = '[0-9.]+'$", re.M),
+    re.compile(r"^GRPC_GENERATED_VERSION = '([0-9.]+)'$", re.M),
     re.compile(r"^# Protobuf Python Version: \S+$", re.M),
     re.compile(r"^_runtime_version\.ValidateProtobufRuntimeVersion\(\n(?:.*\n)*?\)$", re.M),
 ]
@@ -33,7 +33,11 @@ def _floor(requirement: str) -> tuple[int, ...]:
     pyproject = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
     m = re.search(rf'"{re.escape(requirement)}>=([0-9.]+)"', pyproject)
     assert m, f"pyproject.toml states no floor for {requirement}"
-    return tuple(int(x) for x in m.group(1).split("."))
+    return _version(m.group(1))
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split("."))
 
 
 def test_regenerating_changes_nothing(tmp_path: Path) -> None:
@@ -58,9 +62,9 @@ def test_the_stamps_are_what_the_dependencies_promise() -> None:
     older protobuf, than their stamps: the dependency floors say at least as much, so an install
     that satisfies pyproject.toml imports them."""
     grpc_py = (ROOT / "client" / "tokcache" / "v1" / "tokenizer_pb2_grpc.py").read_text(encoding="utf-8")
-    m = re.search(r"^GRPC_GENERATED_VERSION = '([0-9.]+)'$", grpc_py, re.M)
+    m = _STAMPS[0].search(grpc_py)
     assert m
-    assert _floor("grpcio") >= tuple(int(x) for x in m.group(1).split("."))
+    assert _floor("grpcio") >= _version(m.group(1))
     pb2 = (ROOT / "client" / "tokcache" / "v1" / "tokenizer_pb2.py").read_text(encoding="utf-8")
     m = re.search(r"ValidateProtobufRuntimeVersion\(\s*\S+,\s*(\d+),\s*(\d+),\s*(\d+),", pb2)
     assert m

@@ -25,6 +25,16 @@ def _sidecar_missing() -> str | None:
     return None
 
 
+def _concurrency(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], dict]:
+    """Run bench/concurrency.py with ``args`` into ``tmp_path``; (the process, its JSON), once it exited 0."""
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "concurrency.py"), *args, "--out-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=300, cwd=REPO,
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    return proc, json.loads((tmp_path / "concurrency.json").read_text())
+
+
 @pytest.mark.skipif(_sidecar_missing() is not None, reason=str(_sidecar_missing()))
 def test_quick_run_checks_every_contender(tmp_path: Path) -> None:
     proc = subprocess.run(
@@ -67,13 +77,8 @@ def test_quick_run_checks_every_contender(tmp_path: Path) -> None:
 def test_concurrency_quick_run_counts_requests_and_cpu(tmp_path: Path) -> None:
     """bench/concurrency.py: every run answers with the reference's ids, and CPU per request
     is accounted on both sides (the sidecar's shows when it serves RPCs or records)."""
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "concurrency.py"), "--quick", "--procs", "1,2", "--contenders",
-         "fastokens+seg,tokcache,tokcache-rpc,tokcache-ar", "--check", "1", "--out-dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=300, cwd=REPO,
-    )
-    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
-    result = json.loads((tmp_path / "concurrency.json").read_text())
+    proc, result = _concurrency(tmp_path, "--quick", "--procs", "1,2", "--contenders",
+                                "fastokens+seg,tokcache,tokcache-rpc,tokcache-ar", "--check", "1")
     assert set(result["runs"]) == {"1", "2"}  # (2, not --quick's 4: the same checks, half the start-up)
     assert result["config"]["gc_freeze"] is True
     for procs, runs in result["runs"].items():
@@ -103,14 +108,9 @@ def test_concurrency_rounds_report_medians(tmp_path: Path) -> None:
     """bench/concurrency.py --rounds: every contender runs once per round, is reported by its
     median run (the lower middle of two), and each round's req/s is kept. (The ratios' medians:
     test_concurrency_ratio_and_median_helpers, without processes.)"""
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "concurrency.py"), "--quick", "--procs", "1", "--rounds", "2",
-         "--contenders", "fastokens+seg", "--check", "1", "--prime-mb", "16", "--out-dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=300, cwd=REPO,
-    )
-    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    proc, result = _concurrency(tmp_path, "--quick", "--procs", "1", "--rounds", "2", "--contenders",
+                                "fastokens+seg", "--check", "1", "--prime-mb", "16")
     assert "(round 2/2)" in proc.stderr and "Each round's ratios (2 rounds" in proc.stdout
-    result = json.loads((tmp_path / "concurrency.json").read_text())
     assert result["config"]["rounds"] == 2
     rps = result["rounds"]["1"]["req_per_s"]["fastokens+seg"]
     assert len(rps) == 2 and all(v > 0 for v in rps)
@@ -128,13 +128,8 @@ def test_concurrency_min_write_bytes_reaches_the_tokcache_clients(tmp_path: Path
     setting recorded in the JSON and the report's header; a negative value is refused."""
     from bench.concurrency import parse_args
 
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "concurrency.py"), "--quick", "--procs", "1", "--contenders",
-         "tokcache", "--min-write-bytes", "0", "--out-dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=300, cwd=REPO,
-    )
-    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
-    result = json.loads((tmp_path / "concurrency.json").read_text())
+    proc, result = _concurrency(tmp_path, "--quick", "--procs", "1", "--contenders", "tokcache",
+                                "--min-write-bytes", "0")
     assert result["config"]["min_write_bytes"] == 0
     run = result["runs"]["1"]["tokcache"]
     assert run["status"] == "ok" and run["mismatches"] == 0, run

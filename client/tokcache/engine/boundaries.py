@@ -648,14 +648,12 @@ class BoundaryScanner:
         bench/first_touch.py). Only a speed-up is lost if that text comes back (a retried turn: it is
         scanned again, or from a shared prefix), never ids. Lock held."""
         recent, roots = self._recent, self._recent_roots
-        if root in roots:
-            kept = [k for k, r in enumerate(roots) if r is not root]
-            for k, c in enumerate(recent):
-                if roots[k] is root:
-                    self._bytes -= c.weight
-                    c.superseded = True
-            recent[:] = [recent[k] for k in kept]  # (in place: _keep holds the list)
-            roots[:] = [roots[k] for k in kept]
+        for k in range(len(roots) - 1, -1, -1):  # (in place, from the end: _keep holds the lists)
+            if roots[k] is root:
+                c = recent[k]
+                self._bytes -= c.weight
+                c.superseded = True
+                del recent[k], roots[k]
         key = root.line_key
         if key is not None:
             root.line_key = None
