@@ -76,19 +76,23 @@ class WriterLock:
             return
         deadline = time.monotonic() + (self._timeout if timeout is None else timeout)
         while True:
+            # Wait first, look at the holder only when a wait expires: a busy lock is nearly
+            # always held by a live writer that is about to post (or is waiting for a core),
+            # and the look reads /proc (~20 us of syscalls). With 16 writers on 2 cores about
+            # half the acquisitions found the lock busy, and each paid that look first.
+            remaining = deadline - time.monotonic()
+            if remaining > 0 and self._try(min(POLL_INTERVAL, remaining)):
+                return
             record = self._holder()
             now = time.monotonic()
             if record != self._seen:
                 self._seen, self._seen_since = record, now
             if self._holder_gone(record, now - self._seen_since) and self._take_over(record):
                 return
-            remaining = deadline - now
-            if remaining <= 0:
+            if deadline <= now:
                 raise LockTimeout(
                     f"writer lock {self.name} held by pid {record[0]} for over {now - self._seen_since:.1f} s"
                 )
-            if self._try(min(POLL_INTERVAL, remaining)):
-                return
 
     def try_acquire(self) -> bool:
         """Take the lock if it is free right now (no waiting, no recovery)."""
