@@ -58,6 +58,7 @@ class Index:
             self.find = self._find_native  # type: ignore[method-assign]
             self.last_live = self._last_live_native  # type: ignore[method-assign]
             self.set = self._set_native  # type: ignore[method-assign]
+            self.set_all = self._set_all_native  # type: ignore[method-assign]
 
     def region(self) -> tuple[mmap.mmap, int, int]:
         """(mapping, index offset, buckets): where a native reader probes (``_index.h``)."""
@@ -73,6 +74,12 @@ class Index:
                     now: float) -> None:
         if _native.set_slot(self._mm, self._off, self._n_buckets, key, lsn_kind, expiry, access, tail, head, now):
             self._words[W_INDEX_EVICTIONS] += 1
+
+    def _set_all_native(self, entries: list[tuple[bytes, int, int, int]], lsn: int, access: int, tail: int,
+                        head: int, now: float) -> None:
+        evicted = _native.set_slots(self._mm, self._off, self._n_buckets, entries, lsn, access, tail, head, now)
+        if evicted:
+            self._words[W_INDEX_EVICTIONS] += evicted
 
     def find(self, key: bytes) -> int:
         """Absolute offset of ``key``'s slot, or -1. Lock-free."""
@@ -176,6 +183,14 @@ class Index:
         # that see the old tag compare keys and miss.
         mm[soff : soff + SLOT_SIZE] = slot
         mm[boff + i] = tag_of(key)
+
+    def set_all(self, entries: list[tuple[bytes, int, int, int]], lsn: int, access: int, tail: int, head: int,
+                now: float) -> None:
+        """:meth:`set` for each (key, n, kind, expiry) of a record's ``entries``, in order: the key
+        points at record ``lsn`` as ``kind``, with its expiry. Lock held. (One C call for all of
+        them when the extension is built.)"""
+        for key, _n, kind, expiry in entries:
+            self.set(key, kind << LSN_BITS | lsn, expiry, access, tail, head, now)
 
     def live_entries(self, head: int, tail: int, now: float) -> dict[int, int]:
         """Unexpired slots pointing into ``[tail, head)``, by kind value (extrapolated from

@@ -39,6 +39,8 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any, Final, NamedTuple
 
+from tokcache import native
+
 from ._layout import (
     CHECK_SIZE,
     ENTRY,
@@ -76,6 +78,8 @@ from ._layout import (
 )
 from ._segment import reserve
 from .errors import SegmentError
+
+_native: Any = native.store()  # TOKCACHE_PURE_PYTHON=1: _build below (the tests compare both)
 
 __all__ = [
     "CORRUPT", "EVICTED", "MAX_CHAIN", "Chain", "Entry", "Known", "Link", "Log", "ParentRef", "RecordRef", "Walk",
@@ -454,8 +458,8 @@ class Log:
             words[W_TAIL] = tail  # published before any byte below it is overwritten
         if pad >= RECORD_SIZE:
             MAGIC_SIZE.pack_into(mm, self._off + pos + RECORD_MAGIC_OFF, PAD_MAGIC, pad)
-        start = self._off + lsn % self.size
-        mm[start : start + size] = _build(lsn, size, link, entries, ids, len(ids) // self.id_bytes, kind, flags, expiry)
+        write_record(mm, self._off + lsn % self.size, lsn, size, link, entries, ids, len(ids) // self.id_bytes, kind,
+                     flags, expiry)
         head = lsn + size
         words[W_HEAD] = head  # the record is complete before any slot can point at it
         return lsn, tail, head
@@ -595,6 +599,34 @@ def _find_entry(rec: bytes, key: bytes, end: int) -> int:
     while q >= 0 and (q - RECORD_SIZE) % ENTRY_SIZE:
         q = rec.find(key, q + 1, end)
     return q
+
+
+def write_record(
+    mm: mmap.mmap | bytearray,
+    start: int,
+    lsn: int,
+    size: int,
+    link: Link | None,
+    entries: Sequence[Entry],
+    ids: bytes,
+    n_ids: int,
+    kind: int,
+    flags: int,
+    expiry: int,
+    *,
+    native: bool = True,
+) -> None:
+    """Write the record :func:`_build` makes into ``mm[start : start + size]``: in place, in one
+    C call when the extension is built (``native``), else from the bytes ``_build`` returns."""
+    if native and _native is not None:
+        if link is None:
+            link = Link(0, _ZERO_LINK_CHECK, 0, 0, 0, lsn)
+        else:
+            flags |= F_HAS_PARENT
+        _native.write_record(mm, start, size, lsn, link.lsn, link.check, link.n, link.base, n_ids, kind, flags,
+                             expiry, link.size, link.floor, entries if type(entries) is list else list(entries), ids)
+    else:
+        mm[start : start + size] = _build(lsn, size, link, entries, ids, n_ids, kind, flags, expiry)
 
 
 def _build(

@@ -4,8 +4,11 @@
  *
  * A lookup probes up to ~16 keys per request and a writer points ~10 keys per record; in
  * Python each probe is ~1.5 us of interpreter work (a 128-bit modulo, slices, a find),
- * here tens of nanoseconds. Also a write's id narrowing (_layout.narrow), in one pass.
- * Nothing else of the format lives here.
+ * here tens of nanoseconds. Also a write's id narrowing (_layout.narrow), in one pass, and
+ * the bytes of a record written in place (_log._build) and its keys' slots set in one call
+ * (Store._append): a write is rare (one per ~10 requests) but ran ~40 Python calls, and in a
+ * busy node's cold caches those cost it ~200 us. Nothing else of the format lives here:
+ * where a record goes, eviction and publishing stay in _log.py.
  *
  * The index region is mapped and fully allocated (fallocate + MADV_POPULATE_READ at
  * attach), so reading it through the mapping cannot fault on a hole; writers and readers
@@ -119,26 +122,9 @@ PyDoc_STRVAR(set_slot_doc,
 "free one, else a dead one (below tail, at or above head, expired), first bucket first,\n"
 "else the least recently read slot of both buckets. True when a live slot was evicted.");
 
-static PyObject *py_set_slot(PyObject *self, PyObject *args) {
-    PyObject *buf, *key;
-    Py_ssize_t off;
-    unsigned long long n_buckets, lsn_kind, tail, head;
-    unsigned int expiry, access;
-    double now;
-    if (!PyArg_ParseTuple(args, "OnKOKIIKKd", &buf, &off, &n_buckets, &key, &lsn_kind, &expiry, &access, &tail,
-                          &head, &now))
-        return NULL;
-    const unsigned char *k;
-    if (key_bytes(key, &k) < 0) return NULL;
-    Py_buffer view;
-    if (PyObject_GetBuffer(buf, &view, PyBUF_WRITABLE) < 0) return NULL;
-    if (off < 0 || n_buckets == 0 || n_buckets > (uint64_t)PY_SSIZE_T_MAX / BUCKET_SIZE ||
-        (uint64_t)view.len < (uint64_t)off + n_buckets * BUCKET_SIZE) {
-        PyBuffer_Release(&view);
-        PyErr_SetString(PyExc_ValueError, "the index does not fit the buffer");
-        return NULL;
-    }
-    unsigned char *index = (unsigned char *)view.buf + off;
+/* Index.set for one key in ``index`` (the writer lock is held): 1 when a live slot was evicted. */
+static int set_one(unsigned char *index, uint64_t n_buckets, const unsigned char *k, uint64_t lsn_kind,
+                   uint32_t expiry, uint32_t access, uint64_t tail, uint64_t head, double now) {
     int evicted = 0;
     unsigned char *slot = NULL, *tagp = NULL;
     Py_ssize_t s = find_slot(index, n_buckets, k);
@@ -205,8 +191,181 @@ static PyObject *py_set_slot(PyObject *self, PyObject *args) {
         __atomic_thread_fence(__ATOMIC_RELEASE);
         *tagp = tag ? tag : 1;
     }
+    return evicted;
+}
+
+/* The writable index region of ``buf`` (n_buckets buckets at ``off``), or NULL with an exception. */
+static unsigned char *index_region(PyObject *buf, Py_ssize_t off, uint64_t n_buckets, Py_buffer *view) {
+    if (PyObject_GetBuffer(buf, view, PyBUF_WRITABLE) < 0) return NULL;
+    if (off < 0 || n_buckets == 0 || n_buckets > (uint64_t)PY_SSIZE_T_MAX / BUCKET_SIZE ||
+        (uint64_t)view->len < (uint64_t)off + n_buckets * BUCKET_SIZE) {
+        PyBuffer_Release(view);
+        PyErr_SetString(PyExc_ValueError, "the index does not fit the buffer");
+        return NULL;
+    }
+    return (unsigned char *)view->buf + off;
+}
+
+static PyObject *py_set_slot(PyObject *self, PyObject *args) {
+    PyObject *buf, *key;
+    Py_ssize_t off;
+    unsigned long long n_buckets, lsn_kind, tail, head;
+    unsigned int expiry, access;
+    double now;
+    if (!PyArg_ParseTuple(args, "OnKOKIIKKd", &buf, &off, &n_buckets, &key, &lsn_kind, &expiry, &access, &tail,
+                          &head, &now))
+        return NULL;
+    const unsigned char *k;
+    if (key_bytes(key, &k) < 0) return NULL;
+    Py_buffer view;
+    unsigned char *index = index_region(buf, off, n_buckets, &view);
+    if (!index) return NULL;
+    int evicted = set_one(index, n_buckets, k, lsn_kind, expiry, access, tail, head, now);
     PyBuffer_Release(&view);
     return PyBool_FromLong(evicted);
+}
+
+/* One record entry (key, n, kind, expiry), checked: 0, or -1 with an exception. */
+static int entry_fields(PyObject *entry, const unsigned char **key, uint32_t *n, uint8_t *kind, uint32_t *expiry) {
+    if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 4) {
+        PyErr_SetString(PyExc_TypeError, "entries must be (key, n, kind, expiry) tuples");
+        return -1;
+    }
+    if (key_bytes(PyTuple_GET_ITEM(entry, 0), key) < 0) return -1;
+    unsigned long long v[3];
+    for (int i = 0; i < 3; i++) {
+        v[i] = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(entry, i + 1));
+        if (v[i] == (unsigned long long)-1 && PyErr_Occurred()) return -1;
+    }
+    if (v[0] > UINT32_MAX || v[1] > 0xFF || v[2] > UINT32_MAX) {
+        PyErr_SetString(PyExc_OverflowError, "an entry field does not fit the record");
+        return -1;
+    }
+    *n = (uint32_t)v[0], *kind = (uint8_t)v[1], *expiry = (uint32_t)v[2];
+    return 0;
+}
+
+PyDoc_STRVAR(set_slots_doc,
+"set_slots(buf, index_off, n_buckets, entries, lsn, access, tail, head, now) -> int\n\n"
+"set_slot for each (key, n, kind, expiry) of ``entries`` in order, pointing it at record ``lsn``\n"
+"as ``kind << 56 | lsn`` with its expiry (Store._append's loop). The live slots evicted.");
+
+static PyObject *py_set_slots(PyObject *self, PyObject *args) {
+    PyObject *buf, *entries;
+    Py_ssize_t off;
+    unsigned long long n_buckets, lsn, tail, head;
+    unsigned int access;
+    double now;
+    if (!PyArg_ParseTuple(args, "OnKO!KIKKd", &buf, &off, &n_buckets, &PyList_Type, &entries, &lsn, &access, &tail,
+                          &head, &now))
+        return NULL;
+    if (lsn > LSN_MASK) {
+        PyErr_SetString(PyExc_OverflowError, "lsn does not fit 56 bits");
+        return NULL;
+    }
+    Py_buffer view;
+    unsigned char *index = index_region(buf, off, n_buckets, &view);
+    if (!index) return NULL;
+    long evicted = 0;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(entries); i++) {
+        const unsigned char *k;
+        uint32_t n, expiry;
+        uint8_t kind;
+        if (entry_fields(PyList_GET_ITEM(entries, i), &k, &n, &kind, &expiry) < 0) {
+            PyBuffer_Release(&view);
+            return NULL;
+        }
+        evicted += set_one(index, n_buckets, k, (uint64_t)kind << 56 | lsn, expiry, access, tail, head, now);
+    }
+    PyBuffer_Release(&view);
+    return PyLong_FromLong(evicted);
+}
+
+/* The record header (_layout.RECORD, "<16sIIQQ8sIIIHBBIIQ") and entry (ENTRY, "<16sIIB3x"). */
+#define RECORD_SIZE 80
+#define ENTRY_SIZE 28
+#define CHECK_SIZE 16
+#define LINK_CHECK_SIZE 8
+
+PyDoc_STRVAR(write_record_doc,
+"write_record(buf, start, size, lsn, parent_lsn, parent_check, parent_n, base, n_ids, kind, flags,\n"
+"             expiry, parent_size, floor, entries, ids) -> None\n\n"
+"_log._build (the reference) written in place: the ``size`` bytes of one record at ``start`` of\n"
+"``buf`` -- header (magic, ``len(entries)``), the (key, n, kind, expiry) entries, the stored\n"
+"``ids``, zero padding -- then its blake3 check. No copy of the record is made.");
+
+static PyObject *py_write_record(PyObject *self, PyObject *args) {
+    PyObject *buf, *entries;
+    Py_ssize_t start, size;
+    unsigned long long lsn, parent_lsn, floor;
+    Py_buffer pcheck, ids;
+    unsigned int parent_n, base, n_ids, expiry, parent_size;
+    unsigned char kind, flags;
+    if (!PyArg_ParseTuple(args, "OnnKKy*IIIbbIIKO!y*", &buf, &start, &size, &lsn, &parent_lsn, &pcheck, &parent_n,
+                          &base, &n_ids, &kind, &flags, &expiry, &parent_size, &floor, &PyList_Type, &entries, &ids))
+        return NULL;
+    PyObject *out = NULL;
+    Py_buffer view = {0};
+    Py_ssize_t n_entries = PyList_GET_SIZE(entries);
+    if (pcheck.len != LINK_CHECK_SIZE || n_entries > 0xFFFF || size < 0 ||
+        RECORD_SIZE + ENTRY_SIZE * n_entries + ids.len > size) {
+        PyErr_SetString(PyExc_ValueError, "write_record: the record's parts do not fit its size");
+        goto done;
+    }
+    if (PyObject_GetBuffer(buf, &view, PyBUF_WRITABLE) < 0) goto done;
+    if (start < 0 || start > view.len - size) {
+        PyErr_SetString(PyExc_ValueError, "write_record: the record does not fit the buffer");
+        goto done;
+    }
+    unsigned char *rec = (unsigned char *)view.buf + start;
+    /* Entries first, checked before a byte is written: a bad one leaves the buffer as it was. */
+    for (Py_ssize_t i = 0; i < n_entries; i++) {
+        const unsigned char *k;
+        uint32_t n, e;
+        uint8_t kd;
+        if (entry_fields(PyList_GET_ITEM(entries, i), &k, &n, &kd, &e) < 0) goto done;
+    }
+    memset(rec, 0, RECORD_SIZE);
+    store_u32(rec + 16, 0x31524b54u); /* b"TKR1" */
+    store_u32(rec + 20, (uint32_t)size);
+    store_u64(rec + 24, lsn);
+    store_u64(rec + 32, parent_lsn);
+    memcpy(rec + 40, pcheck.buf, LINK_CHECK_SIZE);
+    store_u32(rec + 48, parent_n);
+    store_u32(rec + 52, base);
+    store_u32(rec + 56, n_ids);
+    uint16_t ne = (uint16_t)n_entries;
+    memcpy(rec + 60, &ne, 2);
+    rec[62] = kind;
+    rec[63] = flags;
+    store_u32(rec + 64, expiry);
+    store_u32(rec + 68, parent_size);
+    store_u64(rec + 72, floor);
+    unsigned char *p = rec + RECORD_SIZE;
+    for (Py_ssize_t i = 0; i < n_entries; i++, p += ENTRY_SIZE) {
+        const unsigned char *k;
+        uint32_t n, e;
+        uint8_t kd;
+        entry_fields(PyList_GET_ITEM(entries, i), &k, &n, &kd, &e); /* checked above */
+        memcpy(p, k, KEY_SIZE);
+        store_u32(p + 16, n);
+        store_u32(p + 20, e);
+        p[24] = kd;
+        memset(p + 25, 0, 3);
+    }
+    memcpy(p, ids.buf, ids.len);
+    p += ids.len;
+    memset(p, 0, (size_t)(rec + size - p));
+    blake3_hasher h;
+    blake3_hasher_init(&h);
+    blake3_hasher_update(&h, rec + CHECK_SIZE, (size_t)size - CHECK_SIZE);
+    blake3_hasher_finalize(&h, rec, CHECK_SIZE);
+    out = Py_NewRef(Py_None);
+done:
+    if (view.obj) PyBuffer_Release(&view);
+    PyBuffer_Release(&pcheck);
+    PyBuffer_Release(&ids);
+    return out;
 }
 
 PyDoc_STRVAR(narrow_doc,
@@ -254,6 +413,8 @@ done:
 static PyMethodDef methods[] = {
     {"narrow", py_narrow, METH_VARARGS, narrow_doc},
     {"set_slot", py_set_slot, METH_VARARGS, set_slot_doc},
+    {"set_slots", py_set_slots, METH_VARARGS, set_slots_doc},
+    {"write_record", py_write_record, METH_VARARGS, write_record_doc},
     {"find", py_find, METH_VARARGS, find_doc},
     {"last_live", py_last_live, METH_VARARGS, last_live_doc},
     {NULL, NULL, 0, NULL},
@@ -273,6 +434,6 @@ PyMODINIT_FUNC PyInit__speedups(void) {
         return NULL;
     }
     PyObject *m = PyModule_Create(&module);
-    if (m && (PyModule_AddIntConstant(m, "API", 4) < 0 || tk_hasher_add(m) < 0)) Py_CLEAR(m);
+    if (m && (PyModule_AddIntConstant(m, "API", 5) < 0 || tk_hasher_add(m) < 0)) Py_CLEAR(m);
     return m;
 }

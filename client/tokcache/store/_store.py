@@ -26,11 +26,10 @@ raises it again. Evictions are counted by cause (cap, ttl, pressure).
 
 from __future__ import annotations
 
-import contextlib
 import math
 import mmap
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final, NamedTuple
 
 from . import _layout
@@ -314,7 +313,8 @@ class Store:
             raise ValueError(f"expiry must be a Unix second in [1, {U32_MAX}], got {expiry}")
         size = _layout.record_size(1, 0)
         now = self._clock()
-        with self._writing(now, lock_timeout) as bounds:
+        bounds = self._begin_write(now, lock_timeout)
+        try:
             if bounds is None:
                 return False
             head, tail = bounds
@@ -326,6 +326,8 @@ class Store:
                          self._log.cap())
             words[W_PUTS] += 1
             return True
+        finally:
+            self._lock.release()
 
     def version(self, key: bytes) -> int | None:
         """An opaque token that changes whenever ``key``'s mapping does, or None if absent.
@@ -467,7 +469,7 @@ class Store:
         """
         if self._mm is None:
             raise StoreClosed(f"{self.name} is closed")
-        kind = Kind(kind)
+        kind = kind if type(kind) is Kind else Kind(kind)
         if len(ids) % 4:
             raise ValueError(f"ids must be packed uint32 (len % 4 == 0), got {len(ids)} bytes")
         n_ids = len(ids) // 4
@@ -482,12 +484,13 @@ class Store:
         if parent_tokens + n_ids > U32_MAX:
             raise ValueError("more than 2**32 - 1 tokens")
         mapping: dict[bytes, tuple[int, Kind]] = {}
-        for entry in entries:
+        for entry in entries:  # (the checks inlined: ~10 keys per record)
             key, n = entry[0], entry[1]
-            _check_key(key, "entry key")
+            if len(key) != KEY_SIZE or key == ZERO_KEY:
+                raise ValueError("entry key must be 16 bytes, not all zero")
             if not 0 <= n <= n_ids:
                 raise ValueError(f"entry n must be in [0, {n_ids}], got {n}")
-            mapping[key] = (n, Kind(entry[2]) if len(entry) > 2 else kind)
+            mapping[key] = (n, kind if len(entry) == 2 else Kind(entry[2]))
         if not mapping:
             raise ValueError("entries must not be empty")
         if len(mapping) > MAX_ENTRIES:
@@ -499,11 +502,17 @@ class Store:
         if size > self._log.size:
             return None
         now = self._clock()
-        expiry_of = {k: self._expiry(k, now) for k in {k for _, k in mapping.values()}}
-        items: list[Entry] = [(key, n, k, expiry_of[k]) for key, (n, k) in mapping.items()]
-        expiries = list(expiry_of.values())
+        expiry_of: dict[Kind, int] = {}  # the entries' kinds: their expiries
+        items: list[Entry] = []
+        for key, (n, k) in mapping.items():
+            e = expiry_of.get(k)
+            if e is None:
+                e = expiry_of[k] = self._expiry(k, now)
+            items.append((key, n, k, e))
+        expiries = expiry_of.values()
         record_expiry = 0 if 0 in expiries else max(expiries)
-        with self._writing(now, lock_timeout) as bounds:
+        bounds = self._begin_write(now, lock_timeout)
+        try:
             if bounds is None:
                 return None
             head, tail = bounds
@@ -527,29 +536,33 @@ class Store:
                     size = _layout.record_size(len(items), len(stored))
                     if size > self._log.size:
                         return None
-            if kind == Kind.AR or any(k == Kind.AR for _, _, k, _ in items):
+            if kind == Kind.AR or Kind.AR in expiry_of:
                 # Before the keys appear: a reader that sees an AR key also sees this.
                 self._words[W_AR_PUTS] += 1
             ref = self._append(head, tail, size, link, stored, items, kind, record_expiry, 0, now, cap)
             self._words[W_PUTS] += 1
             return ref
+        finally:
+            self._lock.release()
 
-    @contextlib.contextmanager
-    def _writing(self, now: float, lock_timeout: float | None) -> Iterator[tuple[int, int] | None]:
-        """Hold the writer lock: (head, tail) after sweeping expired records off the tail, or
-        None when the segment was retired (write nothing). LockTimeout as :meth:`put`."""
+    def _begin_write(self, now: float, lock_timeout: float | None) -> tuple[int, int] | None:
+        """Take the writer lock, then (head, tail) after sweeping expired records off the
+        tail, or None when the segment was retired (write nothing). The caller releases the
+        lock, whatever this returns; on an exception it is not held. LockTimeout as :meth:`put`.
+        (A try / finally in the caller, not a context manager: a put's ~10 us less of
+        interpreter work when its caches are cold.)"""
         try:
             self._lock.acquire(lock_timeout)
         except FOREIGN_ERRORS as exc:
             raise translated(f"lock {self.name}", exc) from exc
         try:
             if self._words[W_RETIRED] == RETIRED_MARK:
-                yield None
-                return
+                return None
             head, tail = self._log.bounds()
-            yield head, self._log.sweep(head, tail, now)
-        finally:
+            return head, self._log.sweep(head, tail, now)
+        except BaseException:
             self._lock.release()
+            raise
 
     def _expiry(self, kind: Kind, now: float) -> int:
         ttl = self._ttl.get(kind, 0.0)
@@ -597,9 +610,7 @@ class Store:
         lsn, tail, head = self._append_backed(head, tail, size, link, ids, entries, kind, expiry, flags, cap)
         ref = RecordRef(lsn, self._log.check_at(lsn), link.base if link is not None else 0, len(ids) // self.id_bytes,
                         link.floor if link is not None else lsn)
-        access = int(now) & U32_MAX
-        for key, _n, entry_kind, entry_expiry in entries:
-            self._index.set(key, entry_kind << LSN_BITS | lsn, entry_expiry, access, tail, head, now)
+        self._index.set_all(entries, lsn, int(now) & U32_MAX, tail, head, now)
         if cap < self._log.size:
             released_at = self._words[W_RELEASE_TAIL]
             if tail - released_at >= max(RELEASE_BATCH, cap // 8) or released_at > tail:

@@ -76,3 +76,32 @@ def test_native_index_evicts_the_same_slot_when_every_slot_is_live() -> None:
         assert mem_c == mem_py, i
     assert words_py[W_INDEX_EVICTIONS] > 100 and words_c[W_INDEX_EVICTIONS] == words_py[W_INDEX_EVICTIONS]
     assert [c.find(k) for k in keys] == [py.find(k) for k in keys]
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(_key, min_size=60, max_size=60, unique=True),
+       st.lists(st.lists(st.tuples(st.integers(0, 59), st.integers(0, 3), st.sampled_from([0, 50, 150])), max_size=12),
+                max_size=20),
+       st.sampled_from([0, 1500]), st.sampled_from([0.0, 100.0]))
+def test_native_set_all_matches_the_python_loop(pool: list[bytes], records: list[list[tuple[int, int, int]]],
+                                                tail: int, now: float) -> None:
+    """A record's keys set in one C call (Store._append) land as Index.set puts them one by one."""
+    py, c, mem_py, mem_c, words_py, words_c = _pair()
+    for r, entries in enumerate(records):
+        lsn = 2000 + 100 * r
+        items = [(pool[k], 7, kind, expiry) for k, kind, expiry in entries]
+        py.set_all(items, lsn, r % 5, tail, 5000, now)
+        c.set_all(items, lsn, r % 5, tail, 5000, now)
+        assert mem_c == mem_py
+    assert words_c[W_INDEX_EVICTIONS] == words_py[W_INDEX_EVICTIONS]
+
+
+def test_native_set_all_refuses_bad_entries() -> None:
+    _py, c, _mem_py, mem_c, _words_py, _words_c = _pair()
+    good = (bytes(range(1, 17)), 0, 1, 0)
+    with pytest.raises(TypeError, match="16-byte"):
+        c.set_all([good, (b"short", 0, 1, 0)], 10, 0, 0, 100, 0.0)
+    with pytest.raises(TypeError, match="tuples"):
+        c.set_all([(bytes(range(1, 17)), 0)], 10, 0, 0, 100, 0.0)  # type: ignore[list-item]
+    with pytest.raises(OverflowError):
+        c.set_all([(bytes(range(1, 17)), 0, 256, 0)], 10, 0, 0, 100, 0.0)
