@@ -307,7 +307,7 @@ static PyObject *py_write_record(PyObject *self, PyObject *args) {
     PyObject *out = NULL;
     Py_buffer view = {0};
     Py_ssize_t n_entries = PyList_GET_SIZE(entries);
-    if (pcheck.len != LINK_CHECK_SIZE || n_entries > 0xFFFF || size < 0 ||
+    if (pcheck.len != LINK_CHECK_SIZE || n_entries > 0xFFFF || size < 0 || (unsigned long long)size > UINT32_MAX ||
         RECORD_SIZE + ENTRY_SIZE * n_entries + ids.len > size) {
         PyErr_SetString(PyExc_ValueError, "write_record: the record's parts do not fit its size");
         goto done;

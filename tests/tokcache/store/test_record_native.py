@@ -51,6 +51,8 @@ def test_native_record_checks_its_bounds_and_entries_before_writing() -> None:
         write_record(buf, 8, 0, size, None, entries, bytes(12), 4, 1, 0, 0)
     with pytest.raises(ValueError, match="do not fit its size"):
         write_record(buf, 0, 0, RECORD_SIZE + ENTRY_SIZE, None, entries, bytes(12), 4, 1, 0, 0)
+    with pytest.raises(ValueError, match="do not fit its size"):  # the header's size field is a u32
+        write_record(buf, 0, 0, 2**32 + 8, None, entries, bytes(12), 4, 1, 0, 0)
     size = record_size(2, 12)
     buf = bytearray(size)
     before = bytes(buf)
