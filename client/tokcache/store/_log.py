@@ -79,7 +79,7 @@ from ._layout import (
 from ._segment import reserve
 from .errors import SegmentError
 
-_native: Any = native.store()  # TOKCACHE_PURE_PYTHON=1: _build below (the tests compare both)
+_native: Any = native.store()  # TOKCACHE_PURE_PYTHON=1: write_record's Python (the tests compare both)
 
 __all__ = [
     "CORRUPT", "EVICTED", "MAX_CHAIN", "Chain", "Entry", "Known", "Link", "Log", "ParentRef", "RecordRef", "Walk",
@@ -616,59 +616,24 @@ def write_record(
     *,
     native: bool = True,
 ) -> None:
-    """Write the record :func:`_build` makes into ``mm[start : start + size]``: in place, in one
-    C call when the extension is built (``native``), else from the bytes ``_build`` returns."""
-    if native and _native is not None:
-        if link is None:
-            link = Link(0, _ZERO_LINK_CHECK, 0, 0, 0, lsn)
-        else:
-            flags |= F_HAS_PARENT
-        _native.write_record(mm, start, size, lsn, link.lsn, link.check, link.n, link.base, n_ids, kind, flags,
-                             expiry, link.size, link.floor, entries if type(entries) is list else list(entries), ids)
-    else:
-        mm[start : start + size] = _build(lsn, size, link, entries, ids, n_ids, kind, flags, expiry)
-
-
-def _build(
-    lsn: int,
-    size: int,
-    link: Link | None,
-    entries: Sequence[Entry],
-    ids: bytes,
-    n_ids: int,
-    kind: int,
-    flags: int,
-    expiry: int,
-) -> bytearray:
-    """The bytes of one record (see ``_layout``) holding ``n_ids`` stored ``ids``, check included."""
+    """Write one record (see ``_layout``) holding ``n_ids`` stored ``ids``, check included, into
+    ``mm[start : start + size]``: in place, in one C call when the extension is built
+    (``native``); else built here in Python, which is the reference (the tests compare both)."""
     if link is None:
         link = Link(0, _ZERO_LINK_CHECK, 0, 0, 0, lsn)
     else:
         flags |= F_HAS_PARENT
+    if native and _native is not None:
+        _native.write_record(mm, start, size, lsn, link.lsn, link.check, link.n, link.base, n_ids, kind, flags,
+                             expiry, link.size, link.floor, entries if type(entries) is list else list(entries), ids)
+        return
     buf = bytearray(size)
-    RECORD.pack_into(
-        buf,
-        0,
-        _ZERO_CHECK,
-        RECORD_MAGIC,
-        size,
-        lsn,
-        link.lsn,
-        link.check,
-        link.n,
-        link.base,
-        n_ids,
-        len(entries),
-        kind,
-        flags,
-        expiry,
-        link.size,
-        link.floor,
-    )
+    RECORD.pack_into(buf, 0, _ZERO_CHECK, RECORD_MAGIC, size, lsn, link.lsn, link.check, link.n, link.base, n_ids,
+                     len(entries), kind, flags, expiry, link.size, link.floor)
     off = RECORD_SIZE
     for key, n, entry_kind, entry_expiry in entries:
         ENTRY.pack_into(buf, off, key, n, entry_expiry, entry_kind)
         off += ENTRY_SIZE
     buf[off : off + len(ids)] = ids
     buf[:CHECK_SIZE] = check_of(memoryview(buf)[CHECK_SIZE:])
-    return buf
+    mm[start : start + size] = buf

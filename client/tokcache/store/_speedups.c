@@ -5,7 +5,7 @@
  * A lookup probes up to ~16 keys per request and a writer points ~10 keys per record; in
  * Python each probe is ~1.5 us of interpreter work (a 128-bit modulo, slices, a find),
  * here tens of nanoseconds. Also a write's id narrowing (_layout.narrow), in one pass, and
- * the bytes of a record written in place (_log._build) and its keys' slots set in one call
+ * the bytes of a record written in place (_log.write_record) and its keys' slots set in one call
  * (Store._append): a write is rare (one per ~10 requests) but ran ~40 Python calls, and in a
  * busy node's cold caches those cost it ~200 us. Nothing else of the format lives here:
  * where a record goes, eviction and publishing stay in _log.py.
@@ -290,7 +290,7 @@ static PyObject *py_set_slots(PyObject *self, PyObject *args) {
 PyDoc_STRVAR(write_record_doc,
 "write_record(buf, start, size, lsn, parent_lsn, parent_check, parent_n, base, n_ids, kind, flags,\n"
 "             expiry, parent_size, floor, entries, ids) -> None\n\n"
-"_log._build (the reference) written in place: the ``size`` bytes of one record at ``start`` of\n"
+"_log.write_record's Python (the reference), in C: the ``size`` bytes of one record at ``start`` of\n"
 "``buf`` -- header (magic, ``len(entries)``), the (key, n, kind, expiry) entries, the stored\n"
 "``ids``, zero padding -- then its blake3 check. No copy of the record is made.");
 

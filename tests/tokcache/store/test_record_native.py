@@ -1,5 +1,5 @@
 """A record written in place by C (``_speedups.write_record``) is byte for byte the record
-``_log._build`` (the reference) makes: header, entries, ids, padding and blake3 check."""
+``_log.write_record``'s Python (the reference) makes: header, entries, ids, padding and blake3 check."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def _both(start: int, lsn: int, link: Link | None, entries: list[tuple[bytes, in
 @given(st.integers(0, 64), st.integers(0, 2**56 - 1), _link, st.lists(_entry, min_size=1, max_size=12),
        st.sampled_from([3, 4]), st.data(), st.integers(0, 3), st.sampled_from([0, 2]), st.integers(0, 2**32 - 1),
        st.sampled_from([0, 8, 24]))
-def test_native_record_matches_build(start: int, lsn: int, link: Link | None,
+def test_native_record_matches_the_python_one(start: int, lsn: int, link: Link | None,
                                      entries: list[tuple[bytes, int, int, int]], width: int, data: st.DataObject,
                                      kind: int, flags: int, expiry: int, extra: int) -> None:
     ids = data.draw(st.binary(max_size=300).map(lambda b: b[: len(b) // width * width]))
