@@ -77,7 +77,8 @@ INLINE_LOCK_S = 0.01  # how long a request storing its previous turn's write wai
 # (three runs each): tick 20 ms 263/259/264 µs, 100 ms 245/241/230, 1 s 241/229/228, no
 # thread at all 226/233/223. A conversation's next turn stores its previous write itself
 # (settle_related), so the tick only bounds how late another process sees it: well under a
-# turn (a model's answer and the agent's tool call take longer).
+# turn (a model's answer and the agent's tool call take longer). (A process busy with back to
+# back requests looks less often: BUSY_LOOK_S.)
 WRITER_TICK_S = 0.1
 WRITER_PARK_TICKS = 10
 # A read whose uncached tail is shorter than this many UTF-8 bytes stores nothing. This
@@ -107,10 +108,20 @@ MIN_FIRST_WRITE_BYTES = 4096
 KEPT_FOR_RECORD = 64
 # The background thread builds heads (tokcache.engine.heads), and settles reads' bookkeeping
 # (Settler), once no request offered one for this long. While requests keep coming (a look
-# finds the last one younger than that), it looks twice as late each time, up to a tick:
+# finds the last one younger than that), it looks twice as late each time, up to BUSY_LOOK_S:
 # back to back, the requests settle their own bookkeeping, and a look every HEADS_QUIET_S
 # would cost the GIL hand-off above ~500 times a second.
 HEADS_QUIET_S = 0.002
+# The longest such wait: while requests keep coming, the thread looks once a second (not once a
+# tick), as a conversation's next turn stores its predecessor's write itself (settle_related),
+# more than QUEUE_SOFT queued writes are stored by requests, and a pause is found at most this
+# late (then the waits start over at HEADS_QUIET_S: paced requests are settled in each pause).
+# bench/concurrency.py-style replay, 16 processes x 512 57 KB chats on 2 cores, client CPU per
+# request, five interleaved pairs: looks capped at the tick (0.1 s) 310 / 239 / 284 / 259 / 265 µs,
+# at 1 s 292 / 233 / 255 / 243 / 298 (medians 265 / 255; voluntary context switches a request
+# 0.16-0.19 -> 0.12-0.15). The same wait in C without the GIL (looks every 2-32 ms, the GIL
+# once a second) measured no better, and was not kept.
+BUSY_LOOK_S = 1.0
 # Kept writes are filed under their text's length and last this many characters (and the
 # salt), the text compared when taken: a key with the whole text hashed all of it, once per
 # request (a fresh str), ~20 us for a 57 KB prompt: 9.7% of a back-to-back replay's samples.
@@ -497,12 +508,13 @@ class WriteBehind:
                 while True:
                     settler = self.settler
                     wait_s = WRITER_TICK_S
+                    pausing = False  # waiting for a pause that has not come (see BUSY_LOOK_S)
                     if settler.pending:  # settled once requests pause, before writes (it makes them)
                         left = self._quiet_in()
                         if left <= 0:
                             settle = True
                             break
-                        wait_s = min(wait_s, max(left, backoff))
+                        wait_s, pausing = max(left, backoff), True
                     item = None if self._busy else next((i for i in self._items if i.state == 0), None)
                     if item is not None:
                         break
@@ -510,9 +522,10 @@ class WriteBehind:
                         left = self._quiet_in(self.heads.quiet_in(HEADS_QUIET_S))
                         if left <= 0:
                             break
-                        wait_s = min(wait_s, max(left, backoff))
-                    if wait_s < WRITER_TICK_S:  # waiting for a pause that has not come: later next time
-                        backoff = min(2 * backoff, WRITER_TICK_S)
+                        wait_s = min(wait_s, max(left, backoff)) if pausing else max(left, backoff)
+                        pausing = True
+                    if pausing:  # later next time
+                        backoff = min(2 * backoff, BUSY_LOOK_S)
                     if self._closed:
                         return
                     if idle >= WRITER_PARK_TICKS and not self.heads.offered and not settler.pending:  # park

@@ -897,7 +897,7 @@ def test_the_background_thread_looks_rarely_while_requests_keep_coming(
     """Back to back, every request settles its predecessor's bookkeeping itself; a look by the
     write-behind thread would only cost the caller a GIL hand-off. So while requests keep coming
     (one begins within HEADS_QUIET_S of the last) the thread looks twice as late each time (up
-    to WRITER_TICK_S), not every HEADS_QUIET_S (~80 looks a second before: as often as the GIL
+    to BUSY_LOOK_S), not every HEADS_QUIET_S (~80 looks a second before: as often as the GIL
     let it; 43 in CI when a pause was judged by heads offered, which not every request makes);
     once they pause it still settles the last read and builds its head, and the ids are right
     throughout."""
