@@ -508,13 +508,13 @@ class WriteBehind:
                 while True:
                     settler = self.settler
                     wait_s = WRITER_TICK_S
-                    pausing = False  # waiting for a pause that has not come (see BUSY_LOOK_S)
+                    pause_in = math.inf  # a wait for a pause that has not come (see BUSY_LOOK_S)
                     if settler.pending:  # settled once requests pause, before writes (it makes them)
                         left = self._quiet_in()
                         if left <= 0:
                             settle = True
                             break
-                        wait_s, pausing = max(left, backoff), True
+                        pause_in = max(left, backoff)
                     item = None if self._busy else next((i for i in self._items if i.state == 0), None)
                     if item is not None:
                         break
@@ -522,9 +522,9 @@ class WriteBehind:
                         left = self._quiet_in(self.heads.quiet_in(HEADS_QUIET_S))
                         if left <= 0:
                             break
-                        wait_s = min(wait_s, max(left, backoff)) if pausing else max(left, backoff)
-                        pausing = True
-                    if pausing:  # later next time
+                        pause_in = min(pause_in, max(left, backoff))
+                    if pause_in < math.inf:  # later next time
+                        wait_s = pause_in
                         backoff = min(2 * backoff, BUSY_LOOK_S)
                     if self._closed:
                         return

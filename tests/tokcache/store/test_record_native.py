@@ -36,8 +36,9 @@ def _both(start: int, lsn: int, link: Link | None, entries: list[tuple[bytes, in
        st.sampled_from([3, 4]), st.data(), st.integers(0, 3), st.sampled_from([0, 2]), st.integers(0, 2**32 - 1),
        st.sampled_from([0, 8, 24]))
 def test_native_record_matches_the_python_one(start: int, lsn: int, link: Link | None,
-                                     entries: list[tuple[bytes, int, int, int]], width: int, data: st.DataObject,
-                                     kind: int, flags: int, expiry: int, extra: int) -> None:
+                                              entries: list[tuple[bytes, int, int, int]], width: int,
+                                              data: st.DataObject, kind: int, flags: int, expiry: int,
+                                              extra: int) -> None:
     ids = data.draw(st.binary(max_size=300).map(lambda b: b[: len(b) // width * width]))
     py, c = _both(start, lsn, link, entries, ids, width, kind, flags, expiry, extra)
     assert c == py
