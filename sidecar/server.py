@@ -49,6 +49,11 @@ __all__ = ["Sidecar", "StartupError", "load_error", "run"]
 
 # Drain ends once no RPC has arrived for this long (and none is in flight).
 _DRAIN_QUIET_S = 0.3
+# What a start that is undone (a model that fails to load) gives the RPCs in flight: they answer
+# UNAVAILABLE at once, but one that arrived as the server stopped was cancelled under grace 0, and
+# gRPC logs each such handler as a CancelledError traceback. server.stop returns as soon as none is
+# left, so this only bounds the wait.
+_UNDO_GRACE_S = 1.0
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Tokenizer"].full_name
 
@@ -349,7 +354,7 @@ class Sidecar:
                 public, private = unix
                 self._socket = (public, _publish_unix(cfg.listen, private, public))
         except BaseException:
-            await self.close(0)
+            await self.close()
             raise
         log.debug("bound %s (NOT_SERVING until the models load)", cfg.listen)
 
@@ -444,7 +449,7 @@ class Sidecar:
         log.info("drained (%d in flight at stop)", self.service.inflight)
         await self.close(max(0.0, deadline - loop.time()))
 
-    async def close(self, grace: float | None = 0) -> None:
+    async def close(self, grace: float | None = _UNDO_GRACE_S) -> None:
         """Stop the server (``grace`` seconds for calls in flight) and release everything:
         metrics port, pressure monitor, stores, tracing, and the unix socket if it is still
         ours. No drain (see :meth:`stop`); also undoes a failed start. Idempotent."""
@@ -504,7 +509,7 @@ async def _serve(config: Config) -> None:
     try:
         await sidecar.load()
     except BaseException:
-        await sidecar.close(0)
+        await sidecar.close()
         raise
     log.info("listening on %s (tracing %s)", config.listen, "on" if sidecar.tracing.enabled else "off")
     await stopping.wait()

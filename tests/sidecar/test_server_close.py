@@ -34,7 +34,7 @@ def test_idle_streams_end_cleanly_when_a_start_is_undone(tmp_path: Path, qwen3_p
                 break
             await asyncio.sleep(0.02)
         assert sidecar.service._idle_streams, "the stream's handler never started"
-        await sidecar.close(0)  # as a failed load undoes the start
+        await sidecar.close()  # as a failed load undoes the start
         # The handler returned: the stream ended with OK, not cancelled under the server.
         assert await asyncio.wait_for(call.code(), 5) == grpc.StatusCode.OK
         await channel.close()
