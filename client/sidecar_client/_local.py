@@ -38,7 +38,7 @@ from typing import Any, NamedTuple
 from sidecar_client._models import TokenizeResult, local_result
 from sidecar_client._telemetry import trace_local
 from sidecar_client.errors import InvalidArgumentError, ResourceExhaustedError
-from tokcache.engine.boundaries import extended
+from tokcache.engine.boundaries import Scan, extended
 from tokcache.engine.errors import InvalidRequest, RequestTooLarge
 from tokcache.engine.heads import Heads, Ready
 from tokcache.engine.ids import LISTS, Chunks
@@ -49,8 +49,8 @@ from tokcache.store import Kind, LockTimeout, SegmentError, SegmentMismatch, Sto
 from tokcache.store._layout import RETIRED_MARK, W_RETIRED
 from tokcache.store.keys import output_key, pending_key
 
-__all__ = ["MIN_WRITE_BYTES", "LocalModel", "LocalPaths", "LocalStats", "LocalUnavailable", "OpenJob", "RecordPending",
-           "WriteBehind", "find_tokenizer_json"]
+__all__ = ["HOLD_MAX_BYTES", "HOLD_S", "MIN_WRITE_BYTES", "LocalModel", "LocalPaths", "LocalStats",
+           "LocalUnavailable", "OpenJob", "RecordPending", "WriteBehind", "find_tokenizer_json"]
 
 log = logging.getLogger("sidecar_client.local")
 
@@ -122,6 +122,29 @@ HEADS_QUIET_S = 0.002
 # 0.16-0.19 -> 0.12-0.15). The same wait in C without the GIL (looks every 2-32 ms, the GIL
 # once a second) measured no better, and was not kept.
 BUSY_LOOK_S = 1.0
+# A write that continues a conversation (something of its text was cached) is held this long
+# before it is queued, and dropped if a later turn of the conversation read in this process
+# writes first: that write covers its entries (its text extends this one's, and what this
+# one would have stored is not in the segment, so the later read's uncached tail holds it).
+# Only this process needs nothing stored to serve the conversation's next turn (its memo
+# holds the scan and the encoding), so a write is for another process (or a restart) that
+# gets a later turn. That turn comes after the model answered (prefill, decode, the agent's
+# tool call): a conversation whose turns this process serves faster than HOLD_S is stored
+# once it pauses. bench/concurrency.py's replay serves each conversation's turn every ~70-130
+# ms (no model in the loop): 16 processes on 2 cores, client CPU per request (three rounds),
+# every write stored 1.74x fastokens+seg's, none but first writes 1.49x. A turn that comes in
+# another process within HOLD_S encodes what the held write would have stored (at most
+# HOLD_MAX_BYTES), with the same ids. A write whose conversation's first entries are not
+# stored yet (nothing cached) is never held: its next turns' native lookup needs a stored
+# hit (Lookup._extend).
+HOLD_S = 0.25
+# A write with this many uncached bytes or more is queued at once: the stored hit stays
+# within the native lookup's window of keyed cuts (TAIL_PROBES x KEY_GRID = 128 KiB), and a
+# turn taken over by another process encodes at most this much more.
+HOLD_MAX_BYTES = 65536
+# Held writes a process keeps at most (one per conversation it serves); the oldest is queued
+# past it. A held write's ids are its conversation's latest encoding, which the memo keeps too.
+HOLD_MAX_WRITES = 1024
 # Kept writes are filed under their text's length and last this many characters (and the
 # salt), the text compared when taken: a key with the whole text hashed all of it, once per
 # request (a fresh str), ~20 us for a 57 KB prompt: 9.7% of a back-to-back replay's samples.
@@ -155,7 +178,9 @@ class LocalStats:
       (sent to the sidecar to store), dropped (queue full), failed (store or RPC error),
       skipped (the uncached tail was under ``min_write_bytes``, or MIN_FIRST_WRITE_BYTES when
       nothing was cached: another process's next turn encodes it again, this one's does not)
-      and for_record (one of those stored after all, when an output was recorded for its text)
+      and for_record (one of those stored after all, when an output was recorded for its text),
+      superseded (a held write dropped, see HOLD_S: a later turn of its conversation wrote first,
+      and that write holds its entries)
       and records_held (not a write: an output the sidecar recorded whose chain this process then
       offered to read and copy between turns, for the turn that continues it)
     - ``paths``: requests answered in-process by the path that served them: ``native`` (the
@@ -192,10 +217,14 @@ class _Pending:
     salt: str
     mode: str
     state: int = 0
+    due: float = 0.0  # a held write: when it is queued (time.monotonic(); see HOLD_S)
 
 
-HandOff = Callable[["PendingWrite[Chunks] | None", "Ready[Chunks] | None", str, str, str], None]
-"""hand_off(write, ready, text, salt, mode): queue what a settled read made (LocalModel._hand_off)."""
+HandOff = Callable[["PendingWrite[Chunks] | None", "Ready[Chunks] | None", str, str, str, Scan, "Scan | None"],
+                   None]
+"""hand_off(write, ready, text, salt, mode, line, base_line): queue what a settled read made
+(LocalModel._hand_off); ``line``: its text's line of extensions (``Scan.line_root``), ``base_line``:
+that of the text it extends (None: none)."""
 
 
 class Settler:
@@ -231,8 +260,11 @@ class Settler:
             while self._items:
                 later, text, salt, mode = self._items[0]
                 try:
+                    scan = later.scan
+                    base = scan.base  # (settling lets it go)
                     write, ready = self._settle(later)
-                    self._hand_off(write, ready, text, salt, mode)
+                    self._hand_off(write, ready, text, salt, mode, scan.line_root,
+                                   base.line_root if base is not None else None)
                 except Exception:  # never let bookkeeping end a thread or fail a request
                     log.exception("tokcache: settling a read failed")
                 finally:
@@ -248,14 +280,18 @@ def _kept_key(text: str, salt: str) -> tuple[int, str, str]:
 class WriteBehind:
     """Stores what reads learned, after their reply; bounded; never raises.
 
-    Who stores a write (``direct``: into the segment under its writer lock; else ``learn``
-    sends the text to the sidecar):
+    A write that continues a conversation is held first (:meth:`hold`, see HOLD_S): queued
+    once due, unless the conversation's next read in this process writes first and
+    :meth:`supersede` drops it. Who stores a queued write (``direct``: into the segment under
+    its writer lock; else ``learn`` sends the text to the sidecar):
 
     - the next request of this process whose text extends it, right before its own lookup
       (:meth:`settle_related`: read your writes). Back to back, a conversation's turn then
       costs its read and the previous turn's write in one thread: no thread switch, no
       wait for a thread that needs the GIL the caller holds;
-    - else the background thread, which gets the GIL when the process is idle;
+    - a request that finds a held write due (:meth:`release_due`), before its lookup;
+    - else the background thread, which gets the GIL when the process is idle (while requests
+      come, it leaves due held writes to them for BUSY_LOOK_S);
     - else :meth:`flush` / :meth:`close`.
 
     Writes of one conversation land in the order offered (a turn's record chains to the
@@ -279,7 +315,9 @@ class WriteBehind:
         self.heads: Heads[Chunks, list[int]] = heads if heads is not None else Heads(LISTS)
         # Reads' bookkeeping, settled before the writes it makes (see attach).
         self.settler = Settler(lambda later: (None, None), lambda *args: None)
-        # Guards _items (offered and not yet done, in offer order; their states), _busy,
+        # Held writes (see HOLD_S), by (line, salt, mode), oldest first (their due times ascend).
+        self._held: OrderedDict[tuple[Scan, str, str], _Pending] = OrderedDict()
+        # Guards _items (offered and not yet done, in offer order; their states), _held, _busy,
         # _thread, _parked and _closed. _done is notified when a store ends (waiters for a
         # write); _work wakes the background thread, only when it is parked.
         self._lock = threading.Lock()
@@ -309,8 +347,8 @@ class WriteBehind:
 
     @property
     def idle(self) -> bool:
-        """True when no write (nor read bookkeeping) is queued or in progress."""
-        return not self._items and not self.settler.pending
+        """True when no write (nor read bookkeeping) is held, queued or in progress."""
+        return not self._items and not self._held and not self.settler.pending
 
     def offer(self, write: PendingWrite[Chunks], text: str, salt: str, mode: str) -> bool:
         """Queue a write; False (counted as dropped) when the queue is full or closed."""
@@ -321,6 +359,79 @@ class WriteBehind:
             self._items.append(_Pending(write, text, salt, mode))
             self._wake()
         return True
+
+    def hold(self, write: PendingWrite[Chunks], text: str, salt: str, mode: str, line: Scan) -> bool:
+        """Hold a write for HOLD_S, then queue it, unless a later turn of its conversation
+        supersedes it first (:meth:`supersede`). ``line``: its text's line of extensions
+        (``Scan.line_root``: a conversation, until a turn rewrites its history). False
+        (counted as dropped) when closed or nothing can store it."""
+        with self._lock:
+            if self._closed or (self._store is None and self._learn is None):
+                self._stats.writes["dropped"] += 1
+                return False
+            held = self._held
+            key = (line, salt, mode)
+            if held.pop(key, None) is not None:  # an earlier text of the line, read again after
+                self._stats.writes["superseded"] += 1
+            held[key] = _Pending(write, text, salt, mode, due=time.monotonic() + HOLD_S)
+            if len(held) > HOLD_MAX_WRITES:
+                self._queue(held.popitem(last=False)[1])
+            self._wake()
+        return True
+
+    def supersede(self, line: Scan, salt: str, mode: str) -> None:
+        """A read of a text extending one of ``line`` (the text it extends, or the line's root:
+        a turn that rewrote the conversation's history) made a write: drop the line's held
+        write. The new write holds its entries up to where the texts part; past there they
+        are a history no later turn sends again."""
+        if not self._held:
+            return
+        with self._lock:
+            if self._held.pop((line, salt, mode), None) is not None:
+                self._stats.writes["superseded"] += 1
+
+    def take_held(self, text: str, salt: str) -> PendingWrite[Chunks] | None:
+        """Remove and return the held write of ``text`` (None: none): an output is recorded for it."""
+        if not self._held:
+            return None
+        with self._lock:
+            for key, item in self._held.items():
+                if item.salt == salt and len(item.text) == len(text) and item.text == text:
+                    del self._held[key]
+                    return item.write
+        return None
+
+    def release_due(self) -> None:
+        """A request begins: queue the held writes that are due (see HOLD_S), and store the
+        oldest queued write in this thread, as :meth:`settle_related` does past QUEUE_SOFT
+        (while requests come, the background thread leaves due writes to them: see _loop)."""
+        if not self._held:
+            return
+        now = time.monotonic()
+        with self._lock:
+            if next(iter(self._held.values())).due > now:
+                return
+            self._release(now)
+        self._store_next(None, None, wait=False, lock_deadline=time.monotonic() + INLINE_LOCK_S)
+
+    def _release(self, now: float) -> float:
+        """Lock held: queue the held writes due by ``now`` (all of them: ``now`` inf), oldest
+        first. Seconds until the next one is due (inf: none held)."""
+        held = self._held
+        while held:
+            item = next(iter(held.values()))
+            if item.due > now:
+                return item.due - now
+            held.popitem(last=False)
+            self._queue(item)
+        return math.inf
+
+    def _queue(self, item: _Pending) -> None:
+        """Lock held: append a held write to the queue (dropped, counted, when it is full)."""
+        if len(self._items) >= self._bound:
+            self._stats.writes["dropped"] += 1
+        else:
+            self._items.append(item)
 
     def note_request(self) -> None:
         """Note that a request begins: bookkeeping and heads wait until it ended (note_done)
@@ -428,6 +539,9 @@ class WriteBehind:
         deadline = None if timeout is None else time.monotonic() + timeout
         self._paced = False  # the caller settles between its requests (see settle_soon)
         self.settler.run()
+        if self._held:
+            with self._lock:
+                self._release(math.inf)
         # The writer lock is waited for as long as the flush may take (no timeout: however
         # long it stays busy; a dead holder's is recovered, see tokcache.store._lock).
         lock_deadline = math.inf if deadline is None else deadline
@@ -515,6 +629,10 @@ class WriteBehind:
                             settle = True
                             break
                         pause_in = max(left, backoff)
+                    due_in = math.inf
+                    if self._held:  # (see HOLD_S) while requests come, they store due writes (release_due)
+                        busy = BUSY_LOOK_S if self._quiet_in() > 0 else 0.0
+                        due_in = self._release(time.monotonic() - busy)
                     item = None if self._busy else next((i for i in self._items if i.state == 0), None)
                     if item is not None:
                         break
@@ -526,9 +644,11 @@ class WriteBehind:
                     if pause_in < math.inf:  # later next time
                         wait_s = pause_in
                         backoff = min(2 * backoff, BUSY_LOOK_S)
+                    wait_s = min(wait_s, due_in)
                     if self._closed:
                         return
-                    if idle >= WRITER_PARK_TICKS and not self.heads.offered and not settler.pending:  # park
+                    if (idle >= WRITER_PARK_TICKS and not self.heads.offered and not settler.pending
+                            and not self._held):  # park
                         self._parked = True
                         self._work.wait()
                         self._parked = False
@@ -764,6 +884,7 @@ class LocalModel:
             if self.settler.pending:
                 writer.missed_pause()
                 self.settler.run()
+            writer.release_due()
             if not writer.idle:
                 writer.settle_related(text, WAIT_RELATED_S)
             result = self.lookup.tokenize(text, add_special_tokens=add_special_tokens, salt=salt, mode=mode,
@@ -787,6 +908,10 @@ class LocalModel:
         self._keep_for_records = True
         if self.settler.pending:
             self.settler.run()
+        held = self.writer.take_held(prompt_text, salt)
+        if held is not None:
+            self.writer.store_now(held, prompt_text, salt, "kv-stable")
+            return
         if not self._kept:
             return
         key = _kept_key(prompt_text, salt)
@@ -826,12 +951,18 @@ class LocalModel:
             return False
 
     def _hand_off(self, write: PendingWrite[Chunks] | None, ready: Ready[Chunks] | None, text: str, salt: str,
-                  mode: str) -> None:
-        """Queue what a settled read made: its write (if its uncached tail is long enough) and head."""
+                  mode: str, line: Scan, base_line: Scan | None) -> None:
+        """Queue what a settled read made: its write (if its uncached tail is long enough; held
+        when it continues a conversation, see HOLD_S) and head. ``line``, ``base_line``: see HandOff."""
         if write is not None:
             decision = write.decision
             if decision.encoded_bytes >= (self.min_write_bytes if decision.cached_bytes else self._first_write_bytes):
-                self.writer.offer(write, text, salt, mode)
+                if base_line is not None:  # this write holds the entries of the one held for that line
+                    self.writer.supersede(base_line, salt, mode)
+                if decision.cached_bytes and decision.encoded_bytes < HOLD_MAX_BYTES:
+                    self.writer.hold(write, text, salt, mode, line)
+                else:
+                    self.writer.offer(write, text, salt, mode)
             else:
                 self.writer.skip()
                 if mode == "kv-stable" and self._keep_for_records:

@@ -114,15 +114,48 @@ def test_a_conversation_is_read_in_process_with_no_rpc_and_the_rpc_ids(
         assert [r.decision.source for r in results[1:]] == ["l1"] * 7  # each turn found the one before
         assert local.flush(10)
         # What the reads learned is in the segment: the RPC path finds it, with the same ids.
+        # Each turn's write held its turn before's entries (the turns came faster than HOLD_S):
+        # the first turn (nothing cached: never held) and the last are found whole, the others
+        # by prefix.
         for text, r in zip(texts, results, strict=True):
             again = rpc.tokenize("qwen3", text=text, add_special_tokens=False)
-            assert again.served_by == "sidecar" and again.decision.source == "l0"
-            assert again.token_ids == r.token_ids
+            assert again.served_by == "sidecar" and again.token_ids == r.token_ids
+            assert again.decision.source == ("l0" if text is texts[0] or text is texts[-1] else "l1")
+            assert again.decision.cached_chars >= len(text) - 2048  # at most a key's spacing encoded
         stats = local.stats()
-        assert stats["tokenize"] == {"miss": 2, "l1": 7} and stats["writes"]["stored"] == 9
+        assert stats["tokenize"] == {"miss": 2, "l1": 7}
+        # Stored: the warm-up's, the first turn's (nothing cached: never held) and the last turn's.
+        assert stats["writes"] == {"stored": 3, "superseded": 6}
         # Every turn after the first extended the one before: the native fast path served it.
         assert stats["paths"] == {"python": 2, "native": 7}
         assert stats["declines"] == {"no_base": 2}  # the warm-up and the first turn extend nothing read here
+
+
+def test_a_conversations_write_is_held_superseded_by_its_next_turn_and_stored_once_it_pauses(
+        sidecar: tuple[SidecarProcess, int], qwen3_path: Path) -> None:
+    """Turns of one conversation faster than HOLD_S: each turn's write replaces the one before
+    (it holds its entries), and the last one is stored HOLD_S after it without a flush, by
+    the background thread. Another client (the RPC path) then finds every turn with the ids
+    this process served; a text whose write was superseded is found by prefix."""
+    from sidecar_client._local import HOLD_S
+
+    proc, _ = sidecar
+    ref = tokenizers.Tokenizer.from_file(str(qwen3_path / "tokenizer.json"))
+    texts = _conversation(5)
+    with SidecarClient(proc.address, min_write_bytes=0) as local, SidecarClient(proc.address, zero_rpc=False) as rpc:
+        results = [local.tokenize("qwen3", text=t, add_special_tokens=False) for t in texts]
+        assert all(r.served_by == "local" for r in results)
+        # The last turn's write lands without a flush, HOLD_S after its read was settled (in
+        # the pause after it) and a writer tick at most.
+        deadline = time.monotonic() + HOLD_S + 5
+        while local.stats()["writes"].get("stored", 0) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        # Stored: the first turn's and the last's; superseded: turns 2-4's, each by the turn after.
+        assert local.stats()["writes"] == {"stored": 2, "superseded": 3}
+        for text, r in zip(texts, results, strict=True):
+            again = rpc.tokenize("qwen3", text=text, add_special_tokens=False)
+            assert again.token_ids == r.token_ids == ref.encode(text, add_special_tokens=False).ids
+            assert again.decision.source == ("l0" if text is texts[0] or text is texts[-1] else "l1")
 
 
 def test_async_client_reads_in_process_too(sidecar: tuple[SidecarProcess, int], qwen3_path: Path) -> None:
@@ -608,9 +641,11 @@ def _agent_turns(turns: int, size: int) -> list[str]:
 
 def test_the_next_turn_stores_the_previous_turns_write_in_its_own_thread(
         sidecar: tuple[SidecarProcess, int], qwen3_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Back to back, a turn's pending write is stored by the conversation's next request, in the
-    caller's thread, before its lookup: that lookup then finds it (read your writes) with no
-    thread switch. (The background thread is kept away: it would look only once a minute.)"""
+    """Back to back, a conversation's first write (nothing was cached: never held, see HOLD_S)
+    is stored by the conversation's next request, in the caller's thread, before its lookup:
+    that lookup then finds it (read your writes) with no thread switch. The writes of the turns
+    after it are held, each superseded by the next turn's, the last stored by the flush. (The
+    background thread is kept away: it would look only once a minute.)"""
     import threading
 
     from sidecar_client import _local
@@ -618,6 +653,7 @@ def test_the_next_turn_stores_the_previous_turns_write_in_its_own_thread(
     proc, _ = sidecar
     ref = tokenizers.Tokenizer.from_file(str(qwen3_path / "tokenizer.json"))
     monkeypatch.setattr(_local, "WRITER_TICK_S", 60.0)
+    monkeypatch.setattr(_local, "HOLD_S", 60.0)
     stored_by: list[str] = []
     real_commit = _local.commit
 
@@ -630,13 +666,16 @@ def test_the_next_turn_stores_the_previous_turns_write_in_its_own_thread(
     with SidecarClient(proc.address, min_write_bytes=0) as c:
         _opened_with_writer(c)
         stored_by.clear()
+        before = c.stats()["writes"]["stored"]
         results = [c.tokenize("qwen3", text=t, add_special_tokens=False) for t in texts]
         assert [r.token_ids for r in results] == [ref.encode(t, add_special_tokens=False).ids for t in texts]
-        # Turn k+1 found turn k's entries: cached up to a keyed cut of turn k's text.
-        for prev, r in zip(texts, results[1:], strict=False):
-            assert r.decision.source == "l1" and r.decision.cached_chars >= len(prev) - 2048
-        assert stored_by and set(stored_by) == {threading.main_thread().name}
+        # Every later turn found the first turn's entries: cached up to a keyed cut of its text.
+        for r in results[1:]:
+            assert r.decision.source == "l1" and r.decision.cached_chars >= len(texts[0]) - 2048
+        assert stored_by == [threading.main_thread().name]  # the first turn's, by the second
         assert c.flush(5)
+        writes = c.stats()["writes"]
+        assert (writes["stored"] - before, writes["superseded"]) == (2, 4)  # + the last turn's
 
 
 def test_a_busy_writer_lock_holds_a_request_for_an_inline_lock_wait_at_most(
