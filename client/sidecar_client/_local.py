@@ -130,13 +130,13 @@ BUSY_LOOK_S = 1.0
 # holds the scan and the encoding), so a write is for another process (or a restart) that
 # gets a later turn. That turn comes after the model answered (prefill, decode, the agent's
 # tool call): a conversation whose turns this process serves faster than HOLD_S is stored
-# once it pauses. bench/concurrency.py's replay serves each conversation's turn every ~70-130
-# ms (no model in the loop): 16 processes on 2 cores, client CPU per request (three rounds),
-# every write stored 1.74x fastokens+seg's, none but first writes 1.49x. A turn that comes in
-# another process within HOLD_S encodes what the held write would have stored (at most
-# HOLD_MAX_BYTES), with the same ids. A write whose conversation's first entries are not
-# stored yet (nothing cached) is never held: its next turns' native lookup needs a stored
-# hit (Lookup._extend).
+# once it pauses. bench/concurrency.py replays each conversation's turns back to back (no
+# model in the loop): 16 processes on 2 cores, client CPU per request against fastokens+seg's
+# (three rounds each), every write stored 1.74x, none but first writes 1.49x, held 1.50x (a
+# conversation's first and last write stored). A turn that comes in another process within
+# HOLD_S encodes what the held write would have stored (at most HOLD_MAX_BYTES), with the same
+# ids. A write whose conversation's first entries are not stored yet (nothing cached) is never
+# held: its next turns' native lookup needs a stored hit (Lookup._extend).
 HOLD_S = 0.25
 # A write with this many uncached bytes or more is queued at once: the stored hit stays
 # within the native lookup's window of keyed cuts (TAIL_PROBES x KEY_GRID = 128 KiB), and a
