@@ -353,10 +353,11 @@ class WriteBehind:
     def offer(self, write: PendingWrite[Chunks], text: str, salt: str, mode: str) -> bool:
         """Queue a write; False (counted as dropped) when the queue is full or closed."""
         with self._lock:
-            if self._closed or len(self._items) >= self._bound or (self._store is None and self._learn is None):
+            if self._closed or (self._store is None and self._learn is None):
                 self._stats.writes["dropped"] += 1
                 return False
-            self._items.append(_Pending(write, text, salt, mode))
+            if not self._queue(_Pending(write, text, salt, mode)):
+                return False
             self._wake()
         return True
 
@@ -426,12 +427,13 @@ class WriteBehind:
             self._queue(item)
         return math.inf
 
-    def _queue(self, item: _Pending) -> None:
-        """Lock held: append a held write to the queue (dropped, counted, when it is full)."""
+    def _queue(self, item: _Pending) -> bool:
+        """Lock held: append a write to the queue; False (dropped, counted) when it is full."""
         if len(self._items) >= self._bound:
             self._stats.writes["dropped"] += 1
-        else:
-            self._items.append(item)
+            return False
+        self._items.append(item)
+        return True
 
     def note_request(self) -> None:
         """Note that a request begins: bookkeeping and heads wait until it ended (note_done)

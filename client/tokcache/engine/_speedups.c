@@ -887,12 +887,22 @@ static PyObject *py_extend(PyObject *self, PyObject *args) {
         Py_DECREF(moved);
     }
     /* 9. The uncached tail's length in characters (UTF-8 lead bytes), so the caller need not
-     * decode it to count them: the tail encoder reuses this process's previous encoding. */
+     * decode it to count them: the tail encoder reuses this process's previous encoding.
+     * Counted on the shorter side of the hit (none for ASCII): a conversation's hit stays at
+     * its first stored turn while its next writes are held (sidecar_client._local: HOLD_S),
+     * and counting the whole tail was ~80% of this call's own time (perf, one client process
+     * replaying 57 KB chats). */
     Py_ssize_t hit_start, tail_chars = 0;
     {
         Py_ssize_t ci, si;
         if (as_ssize(PyList_GET_ITEM(keyed, pos), &ci) < 0 || span_at(spans, ci, &si, &hit_start) < 0) goto fail;
-        tail_chars = utf8_chars((const unsigned char *)PyBytes_AS_STRING(data) + hit_start, total - hit_start);
+        const unsigned char *d = (const unsigned char *)PyBytes_AS_STRING(data);
+        if (PyUnicode_IS_ASCII(text))
+            tail_chars = total - hit_start;
+        else if (hit_start < total - hit_start)
+            tail_chars = n_chars - utf8_chars(d, hit_start);
+        else
+            tail_chars = utf8_chars(d + hit_start, total - hit_start);
     }
     /* 10. Recorded outputs (``ar``): Lookup._find_hit's AR search past the hit. The AR key of
      * boundary i covers data[:spans[i][0]]; those up to the base's state cut are the base's
