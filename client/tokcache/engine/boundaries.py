@@ -32,7 +32,7 @@ from typing import Any, cast
 
 from tokcache import native
 from tokcache.engine.encoder import Encoder
-from tokcache.engine.ids import untrack
+from tokcache.engine.ids import Chunks, untrack
 
 log = logging.getLogger(__name__)
 
@@ -146,10 +146,11 @@ _Trie = dict[int | None, "_Trie"]
 @dataclass(slots=True)
 class Encoded:
     """The canonical ids of a text from byte ``start`` (a cut) on, no recorded output spliced,
-    and where its keyed cuts and last stable cut fall in them (byte offset -> tokens before it)."""
+    and where its keyed cuts and last stable cut fall in them (byte offset -> tokens before it).
+    ``ids``: a conversation's turns share their parts (see lookup._Tail.chunks)."""
 
     start: int
-    ids: list[int]
+    ids: Chunks
     cut_tokens: dict[int, int]
 
 

@@ -15,13 +15,15 @@ free. The lists a client keeps are untracked by the cyclic garbage collector (:f
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from itertools import islice
 from typing import Any, Generic, TypeVar
 
 from tokcache import native
 from tokcache.ids import unpack_ids
 
-__all__ = ["BYTES", "LISTS", "BytesFormat", "Chunks", "IdFormat", "Ids", "ListFormat", "Out", "intern_ids",
-           "unpack_interned"]
+__all__ = ["BYTES", "LISTS", "BytesFormat", "Chunks", "IdFormat", "Ids", "ListFormat", "Out", "intern_ids", "joined",
+           "sliced", "unpack_interned"]
 
 Ids = TypeVar("Ids", bytes, "Chunks")  # what a process keeps
 Out = TypeVar("Out", bytes, list[int])  # what a caller gets
@@ -99,6 +101,10 @@ class IdFormat(Generic[Ids, Out]):
     def from_list(self, ids: list[int]) -> Ids:
         """A new container holding ``ids`` (which it may keep: not to be mutated after)."""
         raise NotImplementedError
+
+    def from_chunks(self, ids: Chunks) -> Ids:
+        """A new container holding ``ids`` (whose lists it may keep: not to be mutated after)."""
+        return self.from_list(joined(ids))
 
     def own(self, ids: list[int]) -> list[int]:
         """A list an encoder (or a record) just made, as this format keeps lists: as is (the
@@ -208,6 +214,29 @@ class Chunks:
     def __len__(self) -> int:
         return self.n
 
+    def __iter__(self) -> Iterator[int]:
+        for ref, ln in self.parts:
+            yield from islice(ref, ln)
+
+
+def joined(ids: Chunks) -> list[int]:
+    """``ids`` as one new list."""
+    return LISTS.result(ids, ids.n)
+
+
+def sliced(ids: Chunks, lo: int, hi: int) -> list[int]:
+    """``ids[lo:hi]`` as one new list (``0 <= lo <= hi <= ids.n``)."""
+    out: list[int] = []
+    pos = 0
+    for ref, ln in ids.parts:
+        if pos >= hi:
+            break
+        a, b = max(lo - pos, 0), min(hi - pos, ln)
+        if a < b:
+            out += ref[a:b]
+        pos += ln
+    return out
+
 
 # Ids a head has room for past its own (ListFormat.head): a turn appends what it encoded
 # after the last stable cut, a few hundred to a few thousand ids for a few KB of text.
@@ -238,6 +267,12 @@ class ListFormat(IdFormat["Chunks", list[int]]):
         """``ids`` (now this container's: untracked, see :func:`untrack`) as Chunks."""
         untrack(ids)
         return Chunks(((ids, len(ids)),) if ids else (), len(ids))
+
+    def from_chunks(self, ids: Chunks) -> Chunks:
+        """``ids`` itself, its lists now this container's (untracked, see :func:`untrack`)."""
+        for ref, _ in ids.parts:
+            untrack(ref)
+        return ids
 
     def count(self, ids: Chunks) -> int:
         return ids.n

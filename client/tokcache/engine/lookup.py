@@ -38,7 +38,7 @@ from tokcache.engine.boundaries import BoundaryScanner, Encoded, Scan
 from tokcache.engine.encoder import Encoder
 from tokcache.engine.errors import InvalidRequest, RequestTooLarge
 from tokcache.engine.heads import Heads, Ready
-from tokcache.engine.ids import IdFormat, Ids, Out, untrack
+from tokcache.engine.ids import MAX_PARTS, Chunks, IdFormat, Ids, Out, joined, sliced, untrack
 from tokcache.engine.memo import ChainMemo
 from tokcache.ids import pack_ids
 from tokcache.store import Kind, Known, RecordRef, StoreError, Walk
@@ -259,7 +259,7 @@ class PendingWrite(Generic[Ids]):
 
     parent: bytes | None
     parent_tokens: int
-    ids: list[int]
+    ids: Chunks
     keys: TextKeys
     first_new: int
     n_cuts: int
@@ -295,7 +295,7 @@ class PendingWrite(Generic[Ids]):
     def _cut_ends(self) -> list[int]:
         """Tokens of ``ids`` up to each new cut, then all: each cut is right after its
         boundary token, whose id comes once in the tail's ids per occurrence in its text."""
-        ids, id_of = self.ids, self.boundary_id_of
+        ids, id_of = joined(self.ids), self.boundary_id_of
         data, spans = self.keys.data, self.keys.spans
         ends: list[int] = []
         pos = 0
@@ -347,12 +347,11 @@ class _Tail(Generic[Out]):
     container of the ids before ``new``.
 
     A tail that reused this process's previous encoding (``prior``, see
-    Lookup._canonical_tail) is ``prior.ids[lo:hi] + new`` and is only joined into one list
-    (:meth:`flat`) when something needs it: a caller served from a head gets ``new``
-    appended to the head, and the joined list is for the write and the next turn's memo,
-    after the reply. ``canonical``: the plain encoding of its text, to remember (``cut``:
-    where ``new`` starts in the text, or the tail's start). ``raw``: ``new`` holds the
-    encoder's own ints, made the format's (``IdFormat.own``) in :meth:`Lookup.settle`."""
+    Lookup._canonical_tail) is ``prior.ids[lo:hi] + new``, kept as :class:`Chunks`
+    (:meth:`chunks`): the write, the next turn's memo and a caller's list are made from
+    its parts. ``canonical``: the plain encoding of its text, to remember (``cut``: where
+    ``new`` starts in the text, or the tail's start). ``raw``: ``new`` holds the encoder's
+    own ints, made the format's (``IdFormat.own``) in :meth:`Lookup.settle`."""
 
     ids: list[int] | None
     ends: list[int] | None
@@ -365,14 +364,42 @@ class _Tail(Generic[Out]):
     cut: int = 0
     canonical: bool = False
     raw: bool = False
+    chunked: Chunks | None = None  # (see chunks)
+
+    def chunks(self) -> Chunks:
+        """The tail's ids as Chunks (made once; its lists untracked, see ``untrack``). A reused
+        encoding's are ``prior``'s parts up to ``hi`` and ``new``: no id copied while the
+        conversation's hit stays where ``prior``'s starts (``lo`` 0). It stays at the first
+        stored turn while the later turns' writes are held (sidecar_client._local: HOLD_S),
+        and joining ``prior.ids[:hi] + new`` into one list copied the conversation's ids
+        every turn, and freed the last turn's: ~10% of a client's CPU per request (perf, one
+        process replaying 57 KB chats)."""
+        ch = self.chunked
+        if ch is None:
+            if self.ids is not None:
+                ids = untrack(self.ids)
+                ch = Chunks(((ids, len(ids)),) if ids else (), len(ids))
+            else:
+                assert self.prior is not None and self.new is not None
+                new = untrack(self.new)
+                if self.lo == 0:
+                    head = self.prior.ids.take(self.hi).parts
+                else:  # the hit moved on: one copy of what is left
+                    part = untrack(sliced(self.prior.ids, self.lo, self.hi))
+                    head = ((part, len(part)),) if part else ()
+                parts = head + ((new, len(new)),) if new else head
+                n = self.hi - self.lo + len(new)
+                if len(parts) > MAX_PARTS:  # one copy, then short chains again
+                    flat = untrack(joined(Chunks(parts, n)))
+                    parts = ((flat, n),)
+                ch = Chunks(parts, n)
+            self.chunked = ch
+        return ch
 
     def flat(self) -> list[int]:
         """The tail's ids as one list (made once)."""
         if self.ids is None:
-            assert self.prior is not None and self.new is not None
-            ids = self.prior.ids[self.lo:self.hi]
-            ids += self.new
-            self.ids = ids
+            self.ids = joined(self.chunks())
         return self.ids
 
 
@@ -531,18 +558,18 @@ class Lookup(Generic[Ids, Out]):
             # The recorded output's chain, copied after it was recorded (Heads.build_key).
             out = self.fmt.finish(head, tail.flat(), 0, suffix)
         else:
-            ids = tail.flat()
-            full = self._full(hit, ids)
-            out = self.fmt.result(full, hit.tokens + len(ids), prefix, suffix)
+            ch = tail.chunks()
+            full = self._full(hit, ch)
+            out = self.fmt.result(full, hit.tokens + ch.n, prefix, suffix)
         later = Later(scan, keys, native_keys, store, ar, hit, tail, decision, full)
         if self.defer:
             return Result(out, decision, later=later)
         write, ready = self.settle(later)
         return Result(out, decision, write, ready)
 
-    def _full(self, hit: _Hit[Ids], tail: list[int]) -> Ids:
+    def _full(self, hit: _Hit[Ids], tail: Chunks) -> Ids:
         """The whole text's ids: the hit's, then ``tail``'s."""
-        more = self.fmt.from_list(tail)
+        more = self.fmt.from_chunks(tail)
         return more if hit.ids is None else self.fmt.grow(hit.ids, hit.tokens, more)
 
     def settle(self, later: Later[Ids]) -> tuple[PendingWrite[Ids] | None, Ready[Ids] | None]:
@@ -555,6 +582,7 @@ class Lookup(Generic[Ids, Out]):
             assert tail.new is not None
             tail.new = self._own(tail.new)
             tail.raw = False
+            tail.chunked = None  # (none made from the raw list yet: served from a head)
         keys = later.keys
         if keys is None:
             assert later.native_keys is not None
@@ -570,7 +598,7 @@ class Lookup(Generic[Ids, Out]):
             _file_state(scan, ns, state)
         if tail.canonical:
             self._remember(scan, keys.keyed, tail, hit.start)
-        ids = tail.flat()
+        ids = tail.chunks()
         full = later.full if later.full is not None else self._full(hit, ids)
         enc = scan.encoded
         if enc is not None and enc.ids is not ids:
@@ -706,14 +734,19 @@ class Lookup(Generic[Ids, Out]):
     def _remember(self, scan: Scan, keyed: list[int], tail: _Tail[Out], start: int) -> None:
         """File a canonical tail's encoding as ``scan``'s (see :meth:`_canonical_tail`), with
         where its keyed cuts and last stable cut fall in it."""
-        ids = tail.flat()
+        ids = tail.chunks()
         id_of = self.model.boundary_id_of
         prior = tail.prior
         if prior is not None:
+            assert tail.new is not None
             at = {c: t - tail.lo for c, t in prior.cut_tokens.items() if c >= start}
-            scan.encoded = Encoded(start, ids, _cut_tokens(scan, keyed, ids, id_of, tail.cut, tail.hi - tail.lo, at))
+            off = tail.hi - tail.lo  # where ``new`` starts in the tail's ids
+            for c, t in _cut_tokens(scan, keyed, tail.new, id_of, tail.cut, 0, {}).items():
+                at[c] = t + off
+            scan.encoded = Encoded(start, ids, at)
         else:
-            scan.encoded = Encoded(start, ids, _cut_tokens(scan, keyed, ids, id_of, start, 0, {start: 0}))
+            assert tail.ids is not None
+            scan.encoded = Encoded(start, ids, _cut_tokens(scan, keyed, tail.ids, id_of, start, 0, {start: 0}))
 
     # -- step 1: the hit -----------------------------------------------------------------
 
@@ -1038,7 +1071,7 @@ def commit(store: WriteView, memo: ChainMemo[Ids], write: PendingWrite[Ids], *,
     another writer holds the segment longer than ``lock_timeout``: the store's default).
     """
     entries = write.entries()
-    ref = store.put(write.parent, write.parent_tokens, pack_ids(write.ids), entries, Kind.L1,
+    ref = store.put(write.parent, write.parent_tokens, pack_ids(joined(write.ids)), entries, Kind.L1,
                     lock_timeout=lock_timeout)
     write.decision.stored = ref is not None
     if ref is not None:

@@ -566,7 +566,8 @@ def test_what_a_reader_keeps_costs_the_garbage_collector_nothing(engine: ModelEn
             msgs.append({"role": "assistant", "content": _para(rng, 80)})
         kept = _reachable(memo, own_model.scanner)
         id_lists = [ref for c in kept if isinstance(c, Chunks) for ref, _ in c.parts]
-        id_lists += [s.encoded.ids for s in kept if isinstance(s, Scan) and s.encoded is not None]
+        id_lists += [ref for s in kept if isinstance(s, Scan) and s.encoded is not None
+                     for ref, _ in s.encoded.ids.parts]
         scans = [s for s in kept if isinstance(s, Scan)]
         spans = [s.spans for s in scans if s.spans] + [s.tail for s in scans if s.tail]
         # Where hashing each text stopped (KeyState): its keys, AR keys and cut indices.
