@@ -269,9 +269,7 @@ class ListFormat(IdFormat["Chunks", list[int]]):
         return Chunks(((ids, len(ids)),) if ids else (), len(ids))
 
     def from_chunks(self, ids: Chunks) -> Chunks:
-        """``ids`` itself, its lists now this container's (untracked, see :func:`untrack`)."""
-        for ref, _ in ids.parts:
-            untrack(ref)
+        """``ids`` itself: whoever made it untracked its lists (lookup._Tail.chunks)."""
         return ids
 
     def count(self, ids: Chunks) -> int:

@@ -38,9 +38,8 @@ from tokcache.engine.boundaries import BoundaryScanner, Encoded, Scan
 from tokcache.engine.encoder import Encoder
 from tokcache.engine.errors import InvalidRequest, RequestTooLarge
 from tokcache.engine.heads import Heads, Ready
-from tokcache.engine.ids import MAX_PARTS, Chunks, IdFormat, Ids, Out, joined, sliced, untrack
+from tokcache.engine.ids import LISTS, MAX_PARTS, Chunks, IdFormat, Ids, Out, joined, sliced, untrack
 from tokcache.engine.memo import ChainMemo
-from tokcache.ids import pack_ids
 from tokcache.store import Kind, Known, RecordRef, StoreError, Walk
 from tokcache.store.keys import KEY_GRID, MODE_EXACT, MODE_KV_STABLE, KeyState, TextKeys, pending_key, segment_key
 
@@ -1071,7 +1070,7 @@ def commit(store: WriteView, memo: ChainMemo[Ids], write: PendingWrite[Ids], *,
     another writer holds the segment longer than ``lock_timeout``: the store's default).
     """
     entries = write.entries()
-    ref = store.put(write.parent, write.parent_tokens, pack_ids(joined(write.ids)), entries, Kind.L1,
+    ref = store.put(write.parent, write.parent_tokens, LISTS.to_u32(write.ids, write.ids.n), entries, Kind.L1,
                     lock_timeout=lock_timeout)
     write.decision.stored = ref is not None
     if ref is not None:
