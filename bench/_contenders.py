@@ -504,6 +504,13 @@ class TokcacheContender(Contender):
         # write-behind works in it, e.g. reading the record's chain for that turn (heads).
         self._client.flush(5.0)
 
+    def close_client(self) -> None:
+        """Close this process's client and keep the sidecar serving (a benchmark whose own
+        process is no client of it)."""
+        if self._client is not None:
+            self._client.__exit__(None, None, None)
+            self._client = None
+
     def settle(self) -> None:
         """Wait for the client's write-behind (between timed calls, not inside one)."""
         if self._client is not None:

@@ -30,6 +30,7 @@ __all__ = [
     "Conversation",
     "DEFAULT_TARGET_BYTES",
     "DEFAULT_TURNS",
+    "END_OF_TURN",
     "Renderer",
     "SYSTEM_PROMPT",
     "TOOLS",
@@ -39,6 +40,7 @@ __all__ = [
 
 DEFAULT_TURNS = 40
 DEFAULT_TARGET_BYTES = 57_000
+END_OF_TURN = "<|im_end|>"  # Qwen3's: an answer ends where the template closes its message
 
 Message = dict[str, Any]
 Renderer = Callable[[Sequence[Message], Sequence[Message]], str]
@@ -423,6 +425,22 @@ class Conversation:
     texts: list[str]
     kinds: list[str]  # per turn: "user" (after a user message) or "tool" (after tool results)
     messages: list[Message] = field(repr=False)
+    # Per turn: how many of ``messages`` its prompt renders. The message after them is the
+    # assistant's answer to that prompt (none after the last turn).
+    sizes: list[int] = field(default_factory=list, repr=False)
+
+    def output_of(self, turn: int, render: Renderer) -> str | None:
+        """The text the model generated after turn ``turn``'s prompt (1-based): its assistant
+        message as the template renders it while it is the latest (reasoning included), up to
+        the end-of-turn token. None after the last turn."""
+        if turn >= len(self.texts):
+            return None
+        prompt = self.texts[turn - 1]
+        with_answer = render(self.messages[:self.sizes[turn - 1] + 1], TOOLS)
+        if not with_answer.startswith(prompt):
+            return None
+        end = with_answer.find(END_OF_TURN, len(prompt))
+        return with_answer[len(prompt):end] if end > len(prompt) else None
 
     @property
     def last_bytes(self) -> int:
@@ -561,6 +579,7 @@ def generate(
     b = _Builder(rng)
     messages: list[Message] = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": b.user_task()}]
     texts = [render(messages, TOOLS)]
+    sizes = [len(messages)]
     kinds = ["user"]
     base = len(texts[0].encode())
     growth = max(200.0, (target_bytes - base) / max(1, turns - 1))
@@ -580,8 +599,9 @@ def generate(
             messages.append(assistant)
             messages.extend(tool_msgs)
             kinds.append("tool")
+        sizes.append(len(messages))
         texts.append(render(messages, TOOLS))
-    return Conversation(seed=seed, texts=texts, kinds=kinds, messages=messages)
+    return Conversation(seed=seed, texts=texts, kinds=kinds, messages=messages, sizes=sizes)
 
 
 def load_renderer(tokenizer_dir: Path, fallback_dir: Path | None = None) -> Renderer:
