@@ -22,7 +22,7 @@ EXTRA_VENVS := $(foreach v,$(EXTRA_PYTHONS),$(call venv_of,$(v)))
 
 # The C extensions are built by the editable install: a change to them reinstalls (else an
 # updated checkout would run an old build; the loader then falls back to pure Python, loudly).
-NATIVE_SRC := setup.py $(wildcard client/tokcache/*/_speedups.c client/tokcache/*/*.h)
+NATIVE_SRC := setup.py $(wildcard client/tokcache/*/*.c client/tokcache/*/*.h)
 
 $(STAMP): pyproject.toml $(NATIVE_SRC)
 	$(PYTHON) -m venv $(VENV)

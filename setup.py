@@ -17,6 +17,7 @@ import platform
 from setuptools import Extension, setup
 
 STORE = "client/tokcache/store"
+ENGINE = "client/tokcache/engine"
 B3 = f"{STORE}/_blake3"
 B3_SOURCES = [f"{B3}/blake3.c", f"{B3}/blake3_dispatch.c", f"{B3}/blake3_portable.c"]
 B3_MACROS: list[tuple[str, str | None]] = []
@@ -30,12 +31,13 @@ else:  # elsewhere (ARM included) the portable code: still C, no binding calls
 # -fvisibility=hidden: the vendored BLAKE3's symbols stay inside the module (only PyInit_* is
 # exported), whatever else in the process links a BLAKE3.
 FLAGS = ["-O2", "-fvisibility=hidden"]
-HEADERS = [f"{STORE}/_index.h", f"{STORE}/_hasher.h", f"{B3}/blake3.h", f"{B3}/blake3_impl.h",
+HEADERS = [f"{STORE}/_index.h", f"{STORE}/_hasher.h", f"{STORE}/_walk.h", f"{B3}/blake3.h", f"{B3}/blake3_impl.h",
            f"{B3}/blake3_sse2.c", f"{B3}/blake3_sse41.c", f"{B3}/blake3_avx2.c", f"{B3}/blake3_avx512.c"]
 
 setup(ext_modules=[
-    Extension("tokcache.store._speedups", [f"{STORE}/_speedups.c", f"{STORE}/_hasher.c", *B3_SOURCES], optional=True,
+    Extension("tokcache.store._speedups", [f"{STORE}/_speedups.c", f"{STORE}/_hasher.c", f"{STORE}/_walk.c", *B3_SOURCES], optional=True,
               extra_compile_args=FLAGS, include_dirs=[STORE], define_macros=B3_MACROS, depends=HEADERS),
-    Extension("tokcache.engine._speedups", ["client/tokcache/engine/_speedups.c"], optional=True,
-              extra_compile_args=FLAGS, include_dirs=[STORE], depends=HEADERS),
+    Extension("tokcache.engine._speedups", [f"{ENGINE}/_speedups.c", f"{ENGINE}/_ids.c"], optional=True,
+              extra_compile_args=FLAGS, include_dirs=[STORE, ENGINE],
+              depends=[*HEADERS, f"{ENGINE}/_pyint.h", f"{ENGINE}/_ids.h"]),
 ])

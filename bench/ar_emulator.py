@@ -41,7 +41,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from tokcache.sidecar.engine.tokenbytes import bytes_to_unicode
+from tokcache.engine.tokenbytes import bytes_to_unicode
 
 __all__ = ["AREmulator", "Emulated", "bytes_to_unicode"]
 

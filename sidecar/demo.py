@@ -119,7 +119,7 @@ def main() -> int:
 
     from sidecar_client import SidecarClient
     from tokcache.sidecar.engine.render import ChatRenderer
-    from tokcache.sidecar.engine.tokenbytes import TokenBytes
+    from tokcache.engine.tokenbytes import TokenBytes
 
     model_dir = qwen3_dir()
     tmp = Path(tempfile.mkdtemp(prefix="tokcache-demo-"))

@@ -38,7 +38,7 @@ from tokcache.sidecar.engine.model import Limits, ModelEngine, fingerprint_of
 from tokcache.sidecar.pressure import PressureMonitor, PressurePolicy
 from tokcache.sidecar.service import TokenizerService
 from tokcache.sidecar.telemetry import Metrics, Tracing
-from tokcache.sidecar.tier import DEFAULT_TTL_S, ArTier, TierUrl
+from tokcache.sidecar.tier import DEFAULT_TTL_S, ArTier, TierFeed, TierUrl
 from tokcache.store import Kind, Store, StoreError, id_bytes_for, segment_name, usable_size
 from tokcache.v1 import tokenizer_pb2 as pb
 from tokcache.v1 import tokenizer_pb2_grpc as pb_grpc
@@ -312,6 +312,10 @@ class Sidecar:
         self.server: grpc.aio.Server | None = None
         self.port: int | None = None
         self.pressure: PressureMonitor | None = None
+        # Follows the segments' logs for the tier (one process per node: a --workers group's
+        # first worker; see TierFeed).
+        self.feeds_tier = True
+        self._feed: TierFeed | None = None
         # The unix socket this process bound, as (path, (st_dev, st_ino)): removed on stop
         # only while the path still names that socket.
         self._socket: tuple[Path, tuple[int, int]] | None = None
@@ -420,6 +424,10 @@ class Sidecar:
             self.pressure.start()
         if self.tier is not None:
             await self.tier.start()  # a tier that is down is logged: Tokenize serves without it
+            if self.feeds_tier:
+                self._feed = TierFeed(self.tier, lambda: [(e.fingerprint, e.store) for e in engines.values()
+                                                          if e.store is not None])
+                self._feed.start()
         self.service.set_engines(engines)
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log.info("serving %d model(s): %s", len(engines), ", ".join(engines))
@@ -469,6 +477,9 @@ class Sidecar:
         if self.pressure is not None:
             self.pressure.stop()
             self.pressure = None
+        if self._feed is not None:
+            await self._feed.stop()
+            self._feed = None
         if self.tier is not None:
             await self.tier.close()
         for store in self.stores.values():

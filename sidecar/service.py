@@ -413,11 +413,6 @@ class TokenizerService(pb_grpc.TokenizerServicer):  # generated base class, unty
             self.metrics.records.labels(engine.name, "refused").inc()
             raise
         self.metrics.records.labels(engine.name, "recorded").inc()
-        if self.tier is not None:
-            # Write-through of the verified segment entries, after the reply (a task on this loop).
-            written = self.tier.write(engine.fingerprint, out.segments)
-            if call is not None:
-                call.attrs["tokcache.tier_write"] = written
         return pb.RecordOutputResponse(recorded_tokens=out.recorded_tokens,
                                        stop_token_dropped=out.stop_token_dropped, entries=out.entries)
 

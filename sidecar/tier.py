@@ -8,9 +8,12 @@ distributed KV store (LMCache, Mooncake) keys by token-id hashes misses. This mo
 a copy of every verified recorded output in a Redis/Valkey database that all sidecars of a
 cluster share:
 
-* **write-through** (:meth:`ArTier.write`): after ``RecordOutput`` verified an output,
-  its *segment* entries (output text → output ids, keyed like the local segment-AR
-  entries) are written with a TTL, in the background (bounded; a full queue drops).
+* **write-through** (:class:`TierFeed`, :meth:`ArTier.write`): a verified recorded output's
+  *segment* entries (output text → output ids, keyed like the local segment-AR entries) are
+  written with a TTL, in the background (bounded; a full queue drops). Outputs are recorded
+  by whichever process on the node has them (vLLM's API servers, in their own processes, or
+  the sidecar for ``RecordOutput``), so the sidecar follows the segment's log for them: every
+  segment record, whoever wrote it, reaches the tier within FOLLOW_S.
 * **read on a local miss** (:meth:`ArTier.fetch`): when no recorded output applies to a
   kv-stable Tokenize locally, the candidate segment keys of its tail are asked for in one
   round trip (MGET; a pipeline per node in cluster mode); the engine verifies each value
@@ -53,8 +56,8 @@ from tokcache.ids import le_bytes, unpack_ids
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ArTier", "TierFetch", "TierUrl", "TierUrlError", "decode_value", "encode_value", "redacted",
-           "tier_key"]
+__all__ = ["ArTier", "TierFeed", "TierFetch", "TierUrl", "TierUrlError", "decode_value", "encode_value",
+           "redacted", "tier_key"]
 
 SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster")
 VALUE_MAGIC = b"TCA1"
@@ -76,6 +79,14 @@ DEFAULT_TTL_S = 3600.0
 MAX_FETCH_KEYS = 4096
 # How long the first connection (cluster discovery included) may take at start.
 START_TIMEOUT_S = 2.0
+# How often the log of each segment is followed for new recorded outputs: the latest a record
+# reaches the tier after it was stored. A conversation moves to another node at the earliest
+# on its next turn, after the agent read the response and ran its tools; a look costs two
+# header words when nothing was written.
+FOLLOW_S = 0.05
+# Records looked at per segment and look: bounds the event loop's time in one look (a copy
+# and a check per record); a burst is caught up over the next looks.
+FOLLOW_RECORDS = 512
 
 
 class TierUrlError(ValueError):
@@ -363,3 +374,55 @@ def _one_line(exc: BaseException) -> str:
     if isinstance(exc, asyncio.TimeoutError):
         return "timed out"
     return " ".join(str(exc).split()) or type(exc).__name__
+
+
+class TierFeed:
+    """Follows each segment's log (``Store.follow``) and writes the segment entries of the
+    outputs recorded into it to the tier (:meth:`ArTier.write`). One per node: only one
+    sidecar process of a ``--workers`` group runs it. Event loop only; never raises."""
+
+    def __init__(self, tier: ArTier, stores: Callable[[], Sequence[tuple[str, Any]]]) -> None:
+        """``stores()``: (tokenizer fingerprint, Store) of each segment, looked up every pass."""
+        self.tier = tier
+        self._stores = stores
+        self._cursors: dict[str, int] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        """Start following: from each segment's current head (what is in it already was fed
+        by whoever ran before, or is older than a restart)."""
+        for _fp, store in self._stores():
+            self._cursors.setdefault(store.name, store.head())
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="tokcache-tier-feed")
+
+    def feed(self) -> int:
+        """One pass over every segment: entries queued for the tier. (Tests call it directly.)"""
+        queued = 0
+        for fp, store in self._stores():
+            try:
+                cursor, items = store.follow(self._cursors.get(store.name, 0), limit=FOLLOW_RECORDS)
+            except Exception as exc:  # a closed or replaced store: start over at its head next time
+                log.debug("cluster tier: following %s failed: %r", getattr(store, "name", "?"), exc)
+                self._cursors.pop(getattr(store, "name", ""), None)
+                continue
+            self._cursors[store.name] = cursor
+            if items and self.tier.write(fp, items) == "queued":
+                queued += len(items)
+        return queued
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(FOLLOW_S)
+            self.feed()
+
+    async def stop(self) -> None:
+        """Feed what was recorded up to now, then stop following. Idempotent."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+            self.feed()
+

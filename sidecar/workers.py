@@ -268,6 +268,7 @@ async def _serve_worker(config: Config, index: int) -> None:
     from tokcache.sidecar.server import SERVICE_NAME, Sidecar
 
     sidecar = Sidecar(config)
+    sidecar.feeds_tier = index == 0  # one follower of the segments' logs per node
     loop = asyncio.get_running_loop()
     stopping = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

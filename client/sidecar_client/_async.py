@@ -29,8 +29,8 @@ class AsyncSidecarClient:
     Same options as :class:`SidecarClient` (``zero_rpc``, ``tokenizers``, ``min_write_bytes``: text is tokenized
     in this process from the sidecar's shared memory when possible), plus
     ``channel_options`` appended to the client's gRPC channel options (e.g. a short
-    reconnect backoff). In-process tokenization runs on the calling task: it takes tens
-    to hundreds of microseconds, less than a hop to an executor would cost.
+    reconnect backoff). In-process tokenization and recording run on the calling task: they
+    take tens to hundreds of microseconds, less than a hop to an executor would cost.
     """
 
     def __init__(self, address: str | None = None, *, timeout: float | None = 30.0,
@@ -53,8 +53,8 @@ class AsyncSidecarClient:
         self._models_at = -float("inf")
 
     def _learn(self, model: str, text: str, salt: str, mode: str) -> None:
-        """Write-behind without write access (called from the writer thread): the sidecar
-        tokenizes (and stores) the text; nobody waits for the reply."""
+        """A read's write without write access: the sidecar tokenizes (and stores) the text;
+        nobody waits for the reply."""
         req = pb.TokenizeRequest(model=model, text=text, cache_salt=salt, add_special_tokens=False,
                                  mode=pb.TOKENIZE_MODE_EXACT if mode == "exact" else pb.TOKENIZE_MODE_KV_STABLE)
 
@@ -129,17 +129,10 @@ class AsyncSidecarClient:
         return self.local.mark_pending(model, records, seconds) if self.local is not None else 0
 
     async def flush(self, timeout: float | None = None) -> bool:
-        """Wait until what in-process reads learned is stored (False on timeout)."""
-        if self.local is None or self.local.idle:
-            return True
-        return await asyncio.to_thread(self.local.flush, timeout)
-
-    async def _flush_for(self, records: list[tuple[str, str, str]]) -> None:
-        """Before RecordOutput(s): store the prompts' entries (LocalPaths.store_for_records:
-        in this thread), then wait for what is still queued."""
+        """See :meth:`SidecarClient.flush` (the writes are made on the calling task)."""
         if self.local is not None:
-            self.local.store_for_records(records)
-        await self.flush(self.timeout)
+            self.local.flush()
+        return True
 
     async def tokenize(self, model: str, *, text: str | None = None,
                        messages: Sequence[Mapping[str, Any]] | None = None,
@@ -202,19 +195,24 @@ class AsyncSidecarClient:
 
         ``stop_reason``: the stop token id, the stop string (such a record is
         refused: its ids run past the text) or None (EOS / length). The
-        sidecar verifies the record first; a refusal raises
-        :class:`~sidecar_client.errors.InvalidArgumentError` with the reason.
+        record is verified first; a refusal raises
+        :class:`~sidecar_client.errors.InvalidArgumentError` with the reason. Stored on the
+        calling task, in this process, when the segment is writable here (see
+        :meth:`SidecarClient.record_output`), else by the sidecar.
         """
         _core.check_timeout(timeout)
-        # The record chains to the prompt's entries: store them first.
-        await self._flush_for([(model, prompt_text, cache_salt or "")])
+        if self.local is not None:
+            local = self.local.record(model, prompt_text=prompt_text, prompt_token_ids=prompt_token_ids,
+                                      output_text=output_text, output_token_ids=output_token_ids,
+                                      finish_reason=finish_reason, stop_reason=stop_reason, cache_salt=cache_salt,
+                                      prompt_add_special_tokens=prompt_add_special_tokens)
+            if local is not None:
+                return local
         req = _core.build_record(model, prompt_text=prompt_text, prompt_token_ids=prompt_token_ids,
                                  output_text=output_text, output_token_ids=output_token_ids,
                                  finish_reason=finish_reason, stop_reason=stop_reason, cache_salt=cache_salt,
                                  prompt_add_special_tokens=prompt_add_special_tokens)
         resp = await self._call(self._stub.RecordOutput, req, timeout)
-        if resp.entries and self.local is not None:  # its next turn reads its chain: have it read between turns
-            self.local.hold_records(model, [(prompt_text, output_text, cache_salt or "")])
         return RecordResult(recorded_tokens=resp.recorded_tokens, stop_token_dropped=resp.stop_token_dropped,
                             entries=resp.entries)
 
@@ -223,17 +221,16 @@ class AsyncSidecarClient:
                              metadata: Sequence[tuple[str, str]] | None = None) -> RecordSummary:
         """Record many outputs on one stream; refused ones are listed, not raised.
 
-        Each record is a mapping with the keyword arguments of :meth:`record_output`.
+        Each record is a mapping with the keyword arguments of :meth:`record_output`. Stored
+        on the calling task when it can be (see :meth:`record_output`), else on one stream.
         """
         _core.check_timeout(timeout)
+        if self.local is not None:
+            done = self.local.record_many(model, records)
+            if done is not None:
+                return done
         reqs = _core.build_records(model, records)
-        # Records chain to their prompts' entries: store them first.
-        await self._flush_for([(model, r.prompt_text, r.cache_salt) for r in reqs])
         resp = await self._call(self._stub.RecordOutputs, iter(reqs), timeout, tuple(metadata or ()))
-        if resp.recorded and self.local is not None:  # their next turns read their chains: between turns
-            refused = {r.index for r in resp.refusals}
-            self.local.hold_records(model, [(r.prompt_text, r.output_text, r.cache_salt) for i, r in enumerate(reqs)
-                                        if i not in refused])
         return RecordSummary(recorded=resp.recorded, refused=resp.refused,
                              refusals=[(r.index, r.reason) for r in resp.refusals])
 

@@ -1,20 +1,32 @@
-"""Tokenize in the caller's process: the sidecar's segment mapped read-only, the shared lookup.
+"""Tokenize and record in the caller's process, from and into the sidecar's shared memory.
 
 The sidecar owns a POSIX shared-memory segment per tokenizer and publishes in it what a
 reader needs (the encoder backend it proved exact, the safe boundary tokens, the
-affixes: the *manifest*). A process on the same node maps that segment read-only, builds
-the same :class:`~tokcache.engine.lookup.ReadModel` from its own copy of
-``tokenizer.json`` (checked against the segment's fingerprint) and runs the same
+affixes: the *manifest*). A process on the same node maps that segment, builds the same
+:class:`~tokcache.engine.lookup.ReadModel` from its own copy of ``tokenizer.json``
+(checked against the segment's fingerprint) and runs the same
 :class:`~tokcache.engine.lookup.Lookup` the sidecar runs for ``Tokenize``: a hit costs
 hashing, a few index probes, the chain records this process does not already hold, and
 encoding the new tail — no RPC, no sidecar CPU, no deadline to miss.
 
-What a read learned (the new prompt's entries) is stored after the reply by a background
-writer (:class:`WriteBehind`): directly under the segment's writer lock when this process
-may write the segment (a process that can map it writable could write anything into it
-anyway, so this adds no trust), else by asking the sidecar to tokenize the text itself
-(a ``Tokenize`` RPC whose reply nobody waits for). Recorded outputs (AR) are only ever
-written by the sidecar, after it verified them.
+Writes happen in the request that makes them, in this process, under the segment's writer
+lock (a process that can map the segment writable could write anything into it anyway, so
+this adds no trust):
+
+* **A record is the conversation's write.** A recorded output (:meth:`LocalModel.record`,
+  verified here as the sidecar verifies it: ``tokcache.engine.record``) is stored as one
+  chain with the entries of the prompt it follows. So a read whose output will be recorded
+  stores nothing itself: the prompt it served is kept (:class:`~tokcache.engine.record.Served`)
+  until the record takes it. Once a process has recorded an output, its kv-stable reads
+  leave their entries to their records.
+* **Other reads** (a process that only tokenizes, exact-mode reads) store their entries
+  before returning, when they encoded at least ``min_write_bytes`` of new text: less would
+  cost this process more than another process's re-encoding of it (which it saves).
+* A prompt whose record never comes (an aborted request) is stored when it leaves the
+  bounded table of served prompts, or by :meth:`LocalModel.flush`.
+
+A process that cannot write the segment hands writes to the sidecar: a read's as a
+``Tokenize`` RPC whose reply nobody waits for, a record as ``RecordOutput`` (the client).
 
 Anything that makes the segment unusable here — another IPC namespace, no shared
 ``/dev/shm``, permissions, another layout or tokenizer, a manifest that cannot be used,
@@ -29,126 +41,66 @@ import logging
 import math
 import threading
 import time
-from collections import Counter, OrderedDict, deque
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from sidecar_client import _models, _validate
 from sidecar_client._models import TokenizeResult, local_result
 from sidecar_client._telemetry import trace_local
 from sidecar_client.errors import InvalidArgumentError, ResourceExhaustedError
-from tokcache.engine.boundaries import Scan, extended
 from tokcache.engine.errors import InvalidRequest, RequestTooLarge
-from tokcache.engine.heads import Heads, Ready
 from tokcache.engine.ids import LISTS, Chunks
-from tokcache.engine.lookup import Later, Limits, Lookup, PendingWrite, ReadModel, Result, TierNeeded, commit
+from tokcache.engine.lookup import Limits, Lookup, PendingWrite, ReadModel, Result, TierNeeded, commit
 from tokcache.engine.memo import ChainMemo
+from tokcache.engine.record import OutputChecks, Recorder, RecordResult, Served
 from tokcache.engine.tokenizer import Manifest, ManifestMismatch, from_manifest
 from tokcache.store import Kind, LockTimeout, SegmentError, SegmentMismatch, Store, StoreError, StoreReader
 from tokcache.store._layout import RETIRED_MARK, W_RETIRED
 from tokcache.store.keys import output_key, pending_key
 
-__all__ = ["HOLD_MAX_BYTES", "HOLD_S", "MIN_WRITE_BYTES", "LocalModel", "LocalPaths", "LocalStats",
-           "LocalUnavailable", "OpenJob", "RecordPending", "WriteBehind", "find_tokenizer_json"]
+__all__ = ["MIN_WRITE_BYTES", "LocalModel", "LocalPaths", "LocalStats", "LocalUnavailable", "OpenJob",
+           "RecordPending", "find_tokenizer_json"]
 
 log = logging.getLogger("sidecar_client.local")
 
 RECHECK_S = 1.0  # how often a mapping is checked against the name (replaced?) and the manifest
-WRITE_QUEUE = 256  # pending writes a process holds at most; more are dropped (counted)
-# Past this many queued writes a request that stores its previous turn's also stores the
-# oldest queued one. A process under sustained load never pauses, and its background thread
-# then stores next to nothing: it gets the GIL mostly while a request is storing a write (the
-# writer lock and fallocate release it), finds that store in progress, and waits a tick. So
-# the writes no later request of the process extends (a conversation's latest turn, whose next
-# turn comes once the model answered, maybe to another process) piled up to WRITE_QUEUE and
-# were dropped past it, and every request compared its text with each of them (512
-# conversations replayed back to back by one process: 78 µs of a 240 µs request). Stored here,
-# they cost what the thread's store would, without its GIL hand-offs.
-QUEUE_SOFT = 8
-WAIT_RELATED_S = 0.05  # how long a request waits for its conversation's pending write
-INLINE_LOCK_S = 0.01  # how long a request storing its previous turn's write waits for the writer lock
-# The background writer looks for writes every tick while offers come (a process storing
-# its own previous turn inline leaves it nothing to do), and parks after this many empty
-# ticks: an idle process's write lands within a tick, a busy one's offers wake nothing.
-# Every look costs the process more than its few µs of work: the thread needs the GIL, so
-# the request thread hands it over and, on a busy node, waits for a core to give it back
-# cold. bench/concurrency.py-style replay, 16 processes on 2 cores, client CPU per request
-# (three runs each): tick 20 ms 263/259/264 µs, 100 ms 245/241/230, 1 s 241/229/228, no
-# thread at all 226/233/223. A conversation's next turn stores its previous write itself
-# (settle_related), so the tick only bounds how late another process sees it: well under a
-# turn (a model's answer and the agent's tool call take longer). (A process busy with back to
-# back requests looks less often: BUSY_LOOK_S.)
-WRITER_TICK_S = 0.1
-WRITER_PARK_TICKS = 10
-# A read whose uncached tail is shorter than this many UTF-8 bytes stores nothing. This
-# process re-encodes none of it (its next turn starts from its own previous encoding, see
-# Lookup._canonical_tail); another process that gets the conversation's next turn encodes at
-# most this much more (~6 µs per KB with fastokens). A write costs ~100-150 µs of this
-# process's CPU and a writer-lock round, whoever stores it. bench/concurrency.py, 16 client
-# processes x 57 KB chats on 2 cores, CPU per request: 4096 -> 382-498 µs, 8192 -> 291-333,
-# 16384 -> 298, 32768 -> 297 (one process: 220-274, 182-230, 198, 188). See the README.
-MIN_WRITE_BYTES = 16384
-# The same for a read that found nothing cached (capped by min_write_bytes): a conversation's
-# first entries are stored sooner, so its next turns hit them through the native fast path
-# (Lookup._extend) instead of missing through the Python one (57 KB chats, turns 2-10: 509 µs
-# p50 at 16384 for every read, 408 with 4096).
-MIN_FIRST_WRITE_BYTES = 4096
-# A kv-stable write skipped for its size is kept (the last this many, per model) until its
-# text's output is recorded: a RecordOutput chains the output's record to its prompt's, so the
-# prompt is stored then anyway — by this process (LocalModel.store_for_record), whose memo then
-# holds the chain its next turn's native lookup needs, rather than by the sidecar, which would
-# tokenize the prompt again to store it. (57 KB chats with every output recorded: the native
-# path served 113 of 320 reads when the sidecar stored the prompts, as its records' chains were
-# not this process's.) Only once this process stored a prompt for its record: a process whose
-# outputs are never recorded (a client that only tokenizes) keeps none, as each kept write, let
-# go 64 requests later, cost its request ~14 µs of its 25 µs hand-off (bench/concurrency.py's
-# replay, one process); the first record of a process finds none and its prompt is stored by
-# the sidecar, as before.
-KEPT_FOR_RECORD = 64
-# The background thread builds heads (tokcache.engine.heads), and settles reads' bookkeeping
-# (Settler), once no request offered one for this long. While requests keep coming (a look
-# finds the last one younger than that), it looks twice as late each time, up to BUSY_LOOK_S:
-# back to back, the requests settle their own bookkeeping, and a look every HEADS_QUIET_S
-# would cost the GIL hand-off above ~500 times a second.
-HEADS_QUIET_S = 0.002
-# The longest such wait: while requests keep coming, the thread looks once a second (not once a
-# tick), as a conversation's next turn stores its predecessor's write itself (settle_related),
-# more than QUEUE_SOFT queued writes are stored by requests, and a pause is found at most this
-# late (then the waits start over at HEADS_QUIET_S: paced requests are settled in each pause).
-# bench/concurrency.py-style replay, 16 processes x 512 57 KB chats on 2 cores, client CPU per
-# request, five interleaved pairs: looks capped at the tick (0.1 s) 310 / 239 / 284 / 259 / 265 µs,
-# at 1 s 292 / 233 / 255 / 243 / 298 (medians 265 / 255; voluntary context switches a request
-# 0.16-0.19 -> 0.12-0.15). The same wait in C without the GIL (looks every 2-32 ms, the GIL
-# once a second) measured no better, and was not kept.
-BUSY_LOOK_S = 1.0
-# A write that continues a conversation (something of its text was cached) is held this long
-# before it is queued, and dropped if a later turn of the conversation read in this process
-# writes first: that write covers its entries (its text extends this one's, and what this
-# one would have stored is not in the segment, so the later read's uncached tail holds it).
-# Only this process needs nothing stored to serve the conversation's next turn (its memo
-# holds the scan and the encoding), so a write is for another process (or a restart) that
-# gets a later turn. That turn comes after the model answered (prefill, decode, the agent's
-# tool call): a conversation whose turns this process serves faster than HOLD_S is stored
-# once it pauses. bench/concurrency.py replays each conversation's turns back to back (no
-# model in the loop): 16 processes on 2 cores, client CPU per request against fastokens+seg's
-# (three rounds each), every write stored 1.74x, none but first writes 1.49x, held 1.50x (a
-# conversation's first and last write stored). A turn that comes in another process within
-# HOLD_S encodes what the held write would have stored (at most HOLD_MAX_BYTES), with the same
-# ids. A write whose conversation's first entries are not stored yet (nothing cached) is never
-# held: its next turns' native lookup needs a stored hit (Lookup._extend).
-HOLD_S = 0.25
-# A write with this many uncached bytes or more is queued at once: the stored hit stays
-# within the native lookup's window of keyed cuts (TAIL_PROBES x KEY_GRID = 128 KiB), and a
-# turn taken over by another process encodes at most this much more.
-HOLD_MAX_BYTES = 65536
-# Held writes a process keeps at most (one per conversation it serves); the oldest is queued
-# past it. A held write's ids are its conversation's latest encoding, which the memo keeps too.
-HOLD_MAX_WRITES = 1024
-# Kept writes are filed under their text's length and last this many characters (and the
-# salt), the text compared when taken: a key with the whole text hashed all of it, once per
-# request (a fresh str), ~20 us for a 57 KB prompt: 9.7% of a back-to-back replay's samples.
-KEPT_KEY_CHARS = 256
+# A read that stores its own entries (see the module docstring) does so when it encoded at
+# least this many UTF-8 bytes. Storing costs the request a record write (~20-40 µs plus the
+# writer lock); another process's re-encoding of what was not stored costs ~6 µs per KB, and
+# this process re-encodes none of it (its next turn starts from its own previous encoding,
+# Lookup._canonical_tail). A read that found nothing cached stores from MIN_FIRST_WRITE_BYTES:
+# a conversation's first entries let every later turn start from a hit.
+MIN_WRITE_BYTES = 4096
+MIN_FIRST_WRITE_BYTES = 1024
+# Prompts a process keeps for the records of their outputs (per model): more than the
+# requests an API server has in flight. The oldest is stored (by size, as a read's write)
+# and dropped past it.
+SERVED_MAX = 4096
+# Served prompts are filed under their text's length and last this many characters (and the
+# salt), the text compared when taken: hashing the whole text (a fresh str) costs ~20 µs
+# for a 57 KB prompt.
+SERVED_KEY_CHARS = 256
+# How long a read's own write waits for the writer lock before it leaves its entries
+# unstored (counted ``busy``): the request must not wait on another process's write.
+READ_LOCK_S = 0.01
+# How long a record waits for the writer lock: a record is the conversation's only write,
+# and its caller (vLLM's response) waits for it.
+RECORD_LOCK_S = 0.5
+
+
+def _record(local: LocalModel, item: dict[str, Any], out_ids: list[int]) -> _models.RecordResult:
+    """One checked ``record_output`` item into ``local`` (engine errors are the caller's to map)."""
+    stop = item["stop_reason"]
+    r = local.record(prompt_text=item["prompt_text"], prompt_ids=item["prompt_token_ids"],
+                     output_text=item["output_text"], output_ids=out_ids, finish_reason=item["finish_reason"] or "",
+                     stop_token_id=None if stop is None or isinstance(stop, str) else int(stop),
+                     stop_string=stop if isinstance(stop, str) else None, salt=item["cache_salt"] or "",
+                     prompt_add_special_tokens=bool(item["prompt_add_special_tokens"]))
+    return _models.RecordResult(recorded_tokens=r.recorded_tokens, stop_token_dropped=r.stop_token_dropped,
+                                entries=r.entries)
 
 
 class RecordPending(Exception):  # a signal to the client, not an error
@@ -174,15 +126,13 @@ class LocalStats:
     - ``pending``: reads that waited for a recorded output marked as on its way (``waited``:
       served with it, ``gave_up``: served without it after PENDING_WAIT_S), and marks put
       (``marked``, ``withdrawn``) or not (``mark_failed``: a read-only mapping, a busy lock)
-    - ``writes``: write-behind outcomes: stored, refused (parent gone, full), learned
-      (sent to the sidecar to store), dropped (queue full), failed (store or RPC error),
-      skipped (the uncached tail was under ``min_write_bytes``, or MIN_FIRST_WRITE_BYTES when
-      nothing was cached: another process's next turn encodes it again, this one's does not)
-      and for_record (one of those stored after all, when an output was recorded for its text),
-      superseded (a held write dropped, see HOLD_S: a later turn of its conversation wrote first,
-      and that write holds its entries)
-      and records_held (not a write: an output the sidecar recorded whose chain this process then
-      offered to read and copy between turns, for the turn that continues it)
+    - ``writes``: what reads did with their entries: ``stored`` (by the read), ``deferred``
+      (left to the record of their output), ``for_record`` (stored by that record, in one
+      chain with the output), ``skipped`` (under ``min_write_bytes``), ``learned`` (sent to
+      the sidecar: no write access here), ``busy`` (the writer lock stayed taken), ``refused``
+      (the store took nothing: parent gone, full), ``failed`` (a store error)
+    - ``records``: outputs recorded in this process (``recorded``, ``refused``: failed
+      verification) or sent to the sidecar (``rpc``)
     - ``paths``: requests answered in-process by the path that served them: ``native`` (the
       fast path: the text extends one this process read lately, see
       ``tokcache.engine.lookup.Lookup._extend``) or ``python`` (every other one; the same ids,
@@ -195,557 +145,19 @@ class LocalStats:
     tokenize: Counter[str] = field(default_factory=Counter)
     fallbacks: Counter[str] = field(default_factory=Counter)
     writes: Counter[str] = field(default_factory=Counter)
+    records: Counter[str] = field(default_factory=Counter)
     pending: Counter[str] = field(default_factory=Counter)
     paths: Counter[str] = field(default_factory=Counter)
     declines: Counter[str] = field(default_factory=Counter)
 
     def snapshot(self) -> dict[str, dict[str, int]]:
         return {"tokenize": dict(self.tokenize), "fallbacks": dict(self.fallbacks), "writes": dict(self.writes),
-                "pending": dict(self.pending), "paths": dict(self.paths), "declines": dict(self.declines)}
+                "records": dict(self.records), "pending": dict(self.pending), "paths": dict(self.paths),
+                "declines": dict(self.declines)}
 
 
 Learn = Callable[[str, str, str, str], None]
-"""learn(model, text, salt, mode): ask the sidecar to tokenize (and so store) ``text``; must not block long."""
-
-
-@dataclass(slots=True, eq=False)  # identity: the queue removes *this* write (list.remove compared fields)
-class _Pending:
-    """One offered write; ``state``: 0 queued, 1 being written, 2 done."""
-
-    write: PendingWrite[Chunks]
-    text: str
-    salt: str
-    mode: str
-    state: int = 0
-    due: float = 0.0  # a held write: when it is queued (time.monotonic(); see HOLD_S)
-
-
-HandOff = Callable[["PendingWrite[Chunks] | None", "Ready[Chunks] | None", str, str, str, Scan, "Scan | None"],
-                   None]
-"""hand_off(write, ready, text, salt, mode, line, base_line): queue what a settled read made
-(LocalModel._hand_off); ``line``: its text's line of extensions (``Scan.line_root``), ``base_line``:
-that of the text it extends (None: none)."""
-
-
-class Settler:
-    """Reads' bookkeeping (``Result.later``: see ``Lookup.settle``), after their reply.
-
-    A read returns its ids first; filing its scan for the next turn, remembering its
-    encoding and making its write and head wait here (~40 µs warm, ~100 µs when the caller's
-    caches are cold, measured on 57 KB chats). They are settled in the order queued, each
-    once, by whoever comes first: the write-behind's thread once requests pause (between a
-    conversation's turns), else the next request before its lookup (which extends what they
-    file), else :meth:`WriteBehind.flush`. Thread-safe.
-    """
-
-    def __init__(self, settle: Callable[[Later[Chunks]], tuple[PendingWrite[Chunks] | None, Ready[Chunks] | None]],
-                 hand_off: HandOff) -> None:
-        self._settle = settle
-        self._hand_off = hand_off
-        self._items: deque[tuple[Later[Chunks], str, str, str]] = deque()
-        self._lock = threading.Lock()  # held while settling: one at a time, in order
-
-    @property
-    def pending(self) -> bool:
-        """True while a read's bookkeeping waits (or is being settled)."""
-        return bool(self._items)
-
-    def add(self, later: Later[Chunks], text: str, salt: str, mode: str) -> None:
-        """Queue a read's bookkeeping (its request noted itself: WriteBehind.note_request)."""
-        self._items.append((later, text, salt, mode))
-
-    def run(self) -> None:
-        """Settle everything queued, in order. Never raises."""
-        with self._lock:
-            while self._items:
-                later, text, salt, mode = self._items[0]
-                try:
-                    scan = later.scan
-                    base = scan.base  # (settling lets it go)
-                    write, ready = self._settle(later)
-                    self._hand_off(write, ready, text, salt, mode, scan.line_root,
-                                   base.line_root if base is not None else None)
-                except Exception:  # never let bookkeeping end a thread or fail a request
-                    log.exception("tokcache: settling a read failed")
-                finally:
-                    self._items.popleft()
-
-
-def _kept_key(text: str, salt: str) -> tuple[int, str, str]:
-    """The key a kept write of ``text`` is filed under (see KEPT_KEY_CHARS). Texts that share
-    it replace each other: the one replaced is stored by the sidecar when recorded, as before."""
-    return len(text), text[-KEPT_KEY_CHARS:], salt
-
-
-class WriteBehind:
-    """Stores what reads learned, after their reply; bounded; never raises.
-
-    A write that continues a conversation is held first (:meth:`hold`, see HOLD_S): queued
-    once due, unless the conversation's next read in this process writes first and
-    :meth:`supersede` drops it. Who stores a queued write (``direct``: into the segment under
-    its writer lock; else ``learn`` sends the text to the sidecar):
-
-    - the next request of this process whose text extends it, right before its own lookup
-      (:meth:`settle_related`: read your writes). Back to back, a conversation's turn then
-      costs its read and the previous turn's write in one thread: no thread switch, no
-      wait for a thread that needs the GIL the caller holds;
-    - a request that finds a held write due (:meth:`release_due`), before its lookup;
-    - else the background thread, which gets the GIL when the process is idle (while requests
-      come, it leaves due held writes to them for BUSY_LOOK_S);
-    - else :meth:`flush` / :meth:`close`.
-
-    Writes of one conversation land in the order offered (a turn's record chains to the
-    previous turn's), whoever stores them. Writes are made by settling reads (the attached
-    :class:`Settler`): the background thread and :meth:`flush` settle what is queued there
-    before storing, so a flush returns only once every read before it is stored (or was
-    too short to store). Between writes, the background thread (and :meth:`flush`) builds
-    the heads requests offered (``heads``: see :mod:`tokcache.engine.heads`); a request
-    never does, nor waits for one.
-    """
-
-    def __init__(self, model: str, store: Store | None, memo: ChainMemo[Chunks], learn: Learn | None,
-                 stats: LocalStats, bound: int = WRITE_QUEUE,
-                 heads: Heads[Chunks, list[int]] | None = None) -> None:
-        self._model = model
-        self._store = store
-        self._memo = memo
-        self._learn = learn
-        self._stats = stats
-        self._bound = bound
-        self.heads: Heads[Chunks, list[int]] = heads if heads is not None else Heads(LISTS)
-        # Reads' bookkeeping, settled before the writes it makes (see attach).
-        self.settler = Settler(lambda later: (None, None), lambda *args: None)
-        # Held writes (see HOLD_S), by (line, salt, mode), oldest first (their due times ascend).
-        self._held: OrderedDict[tuple[Scan, str, str], _Pending] = OrderedDict()
-        # Guards _items (offered and not yet done, in offer order; their states), _held, _busy,
-        # _thread, _parked and _closed. _done is notified when a store ends (waiters for a
-        # write); _work wakes the background thread, only when it is parked.
-        self._lock = threading.Lock()
-        self._done = threading.Condition(self._lock)
-        self._work = threading.Condition(self._lock)
-        self._items: list[_Pending] = []
-        self._busy = False  # a write is being stored (by any thread): one at a time
-        self._thread: threading.Thread | None = None
-        self._parked = False  # the thread waits for an offer (else it looks every WRITER_TICK_S)
-        self._closed = False
-        self._stopped: list[Callable[[], None]] = []  # run once the background thread has ended
-        self._request_at = 0.0  # time.monotonic() of the last request begun (see note_request)
-        self._request_end = 0.0  # and of the last one ended (note_done)
-        # The thread settled the last read's bookkeeping in a pause (no request did it inline):
-        # requests come paced, and each one's read gets a look of its own (see settle_soon).
-        self._paced = False
-
-    def attach(self, settler: Settler) -> None:
-        """Have the background thread and :meth:`flush` settle ``settler``'s reads too (before
-        their writes, which settling makes)."""
-        self.settler = settler
-
-    @property
-    def direct(self) -> bool:
-        """True when writes go straight into the segment (else through the sidecar)."""
-        return self._store is not None
-
-    @property
-    def idle(self) -> bool:
-        """True when no write (nor read bookkeeping) is held, queued or in progress."""
-        return not self._items and not self._held and not self.settler.pending
-
-    def offer(self, write: PendingWrite[Chunks], text: str, salt: str, mode: str) -> bool:
-        """Queue a write; False (counted as dropped) when the queue is full or closed."""
-        with self._lock:
-            if self._closed or (self._store is None and self._learn is None):
-                self._stats.writes["dropped"] += 1
-                return False
-            if not self._queue(_Pending(write, text, salt, mode)):
-                return False
-            self._wake()
-        return True
-
-    def hold(self, write: PendingWrite[Chunks], text: str, salt: str, mode: str, line: Scan) -> bool:
-        """Hold a write for HOLD_S, then queue it, unless a later turn of its conversation
-        supersedes it first (:meth:`supersede`). ``line``: its text's line of extensions
-        (``Scan.line_root``: a conversation, until a turn rewrites its history). False
-        (counted as dropped) when closed or nothing can store it."""
-        with self._lock:
-            if self._closed or (self._store is None and self._learn is None):
-                self._stats.writes["dropped"] += 1
-                return False
-            held = self._held
-            key = (line, salt, mode)
-            if held.pop(key, None) is not None:  # an earlier text of the line, read again after
-                self._stats.writes["superseded"] += 1
-            held[key] = _Pending(write, text, salt, mode, due=time.monotonic() + HOLD_S)
-            if len(held) > HOLD_MAX_WRITES:
-                self._queue(held.popitem(last=False)[1])
-            self._wake()
-        return True
-
-    def supersede(self, line: Scan, salt: str, mode: str) -> None:
-        """A read of a text extending one of ``line`` (the text it extends, or the line's root:
-        a turn that rewrote the conversation's history) made a write: drop the line's held
-        write. The new write holds its entries up to where the texts part; past there they
-        are a history no later turn sends again."""
-        if not self._held:
-            return
-        with self._lock:
-            if self._held.pop((line, salt, mode), None) is not None:
-                self._stats.writes["superseded"] += 1
-
-    def take_held(self, text: str, salt: str) -> PendingWrite[Chunks] | None:
-        """Remove and return the held write of ``text`` (None: none): an output is recorded for it."""
-        if not self._held:
-            return None
-        with self._lock:
-            for key, item in self._held.items():
-                if item.salt == salt and len(item.text) == len(text) and item.text == text:
-                    del self._held[key]
-                    return item.write
-        return None
-
-    def release_due(self) -> None:
-        """A request begins: queue the held writes that are due (see HOLD_S), and store the
-        oldest queued write in this thread, as :meth:`settle_related` does past QUEUE_SOFT
-        (while requests come, the background thread leaves due writes to them: see _loop)."""
-        if not self._held:
-            return
-        now = time.monotonic()
-        with self._lock:
-            if next(iter(self._held.values())).due > now:
-                return
-            self._release(now)
-        self._store_next(None, None, wait=False, lock_deadline=time.monotonic() + INLINE_LOCK_S)
-
-    def _release(self, now: float) -> float:
-        """Lock held: queue the held writes due by ``now`` (all of them: ``now`` inf), oldest
-        first. Seconds until the next one is due (inf: none held)."""
-        held = self._held
-        while held:
-            item = next(iter(held.values()))
-            if item.due > now:
-                return item.due - now
-            held.popitem(last=False)
-            self._queue(item)
-        return math.inf
-
-    def _queue(self, item: _Pending) -> bool:
-        """Lock held: append a write to the queue; False (dropped, counted) when it is full."""
-        if len(self._items) >= self._bound:
-            self._stats.writes["dropped"] += 1
-            return False
-        self._items.append(item)
-        return True
-
-    def note_request(self) -> None:
-        """Note that a request begins: bookkeeping and heads wait until it ended (note_done)
-        and none began for HEADS_QUIET_S. (A single float store, no lock: the background thread
-        only compares it.)"""
-        self._request_at = time.monotonic()
-
-    def note_done(self) -> None:
-        """Note that the request begun last (note_request) ended, whatever its outcome."""
-        self._request_end = time.monotonic()
-
-    def _quiet_in(self, offered_left: float = 0.0) -> float:
-        """Seconds until a pause (<= 0: now): no request begun for HEADS_QUIET_S and, for heads,
-        none offered (``offered_left``: Heads.quiet_in; heads are also offered outside requests,
-        by records and the background settling). Reads' bookkeeping is only queued by requests,
-        so the request time is its own. Heads are not offered by every request: judged by offers
-        alone, a "pause" came whenever a few requests offered none, and each cost a look and a
-        GIL hand-off while requests kept coming (CI: 43 looks in a 1 s burst).
-
-        A request still being served is no pause however long ago it began: with more busy
-        processes than cores a process waits for a core for tens of ms in the middle of its
-        requests, and judged by the start alone the thread took every such wait for a pause,
-        woke, took the GIL from the request, and looked again every HEADS_QUIET_S after (the
-        backoff starts over at a pause). bench/concurrency.py at P = 16 did not move
-        measurably with it (client CPU per request 568 / 547 against 580 / 555 µs, 0.33-0.35
-        voluntary context switches per request against 0.30-0.31): most of those are the
-        thread's ticks (WRITER_TICK_S), ~0.24 per request at P = 16, where a process serves
-        ~180 requests a second."""
-        begun, ended = self._request_at, self._request_end
-        if begun > ended:
-            return max(offered_left, HEADS_QUIET_S)
-        return max(offered_left, ended + HEADS_QUIET_S - time.monotonic())
-
-    def poke(self) -> None:
-        """Have the background thread build the heads offered (see :meth:`_wake`)."""
-        with self._lock:
-            if not self._closed:
-                self._wake()
-
-    def settle_soon(self) -> None:
-        """A request queued its read's bookkeeping (Settler.add): have the background thread
-        settle it in the pause after the request, when requests come paced, else as
-        :meth:`poke`. Without it a thread not parked looks only at its tick (WRITER_TICK_S),
-        and requests a few tens of ms apart mostly found the previous read unsettled and
-        settled it inline first: 57 KB chats replayed by one process with ~30 ms of other work
-        between turns and no flush, 64% of reads did, ~175 µs each with the caches the other
-        work left cold (p50 658 µs; 462 µs with the wake). Paced means that the thread settled
-        the last read (in a pause); under back-to-back load the next request settles it first
-        (see :meth:`missed_pause`), and the wake, which would only take the GIL from a request
-        and find no pause, is left out: at most one per pause the thread's own looks find. A
-        caller that flushes between requests settles them itself (:meth:`flush` clears it):
-        bench/multiturn_latency.py does, and with a wake after each call, woken into its flush
-        and the calls after, its tokcache p50 was 1.25-1.37x fastokens+segment cache's
-        against 1.04-1.07x without (two A/B pairs)."""
-        with self._lock:
-            if self._closed:
-                return
-            if self._paced and self._thread is not None and not self._parked:
-                self._work.notify()
-            else:
-                self._wake()
-
-    def missed_pause(self) -> None:
-        """Note that a request settles a read before its own: requests come back to back, so
-        settle_soon wakes the thread no more (until its own looks find a pause)."""
-        self._paced = False
-
-    def _wake(self) -> None:
-        """Lock held: start the background thread, or wake it from a park. Woken only from a
-        park: while requests keep coming it looks on its own every WRITER_TICK_S, and a
-        request costs no wake-up (a futex call and a GIL hand-off inside the caller's request)."""
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="tokcache-write-behind", daemon=True)
-            self._thread.start()
-        elif self._parked:
-            self._work.notify()
-
-    def skip(self) -> None:
-        """Count a write not offered (its tail was short: see LocalModel._hand_off)."""
-        self._stats.writes["skipped"] += 1
-
-    def store_now(self, write: PendingWrite[Chunks], text: str, salt: str, mode: str) -> None:
-        """Store a write that was skipped for its size, now, in this thread, because an output
-        is recorded for its text (counted ``for_record``): only into the segment directly (a
-        process that cannot write it leaves the prompt to the sidecar's RecordOutput, which
-        stores it anyway); a writer lock busy past INLINE_LOCK_S queues it for the
-        background thread instead. Its parent is stored (its read hit it), so it needs no
-        queued write before it. Never raises."""
-        if self._store is None:
-            return
-        try:
-            done = self._write(write, text, salt, mode, INLINE_LOCK_S)
-        except Exception:  # never let a write fail the caller
-            log.exception("tokcache: storing a prompt for its record failed")
-            self._stats.writes["failed"] += 1
-            return
-        if done:
-            self._stats.writes["for_record"] += 1
-        else:
-            self.offer(write, text, salt, mode)
-
-    def flush(self, timeout: float | None = None) -> bool:
-        """Store every write offered so far (in this thread, where the background thread
-        has not taken them); False on timeout."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        self._paced = False  # the caller settles between its requests (see settle_soon)
-        self.settler.run()
-        if self._held:
-            with self._lock:
-                self._release(math.inf)
-        # The writer lock is waited for as long as the flush may take (no timeout: however
-        # long it stays busy; a dead holder's is recovered, see tokcache.store._lock).
-        lock_deadline = math.inf if deadline is None else deadline
-        while (got := self._store_next(None, deadline, lock_deadline=lock_deadline)) is True:
-            pass
-        if got is False:
-            return False
-        self.heads.build_pending()
-        with self._lock:
-            return self._done.wait_for(lambda: not self._items, _left(deadline))
-
-    def settle_related(self, text: str, timeout: float) -> bool:
-        """Read your writes: store now, in this thread, the pending writes whose text is a
-        prefix of ``text`` — the previous turns of this conversation, whose entries the
-        lookup is about to search for — waiting (at most ``timeout``) for one being stored.
-        Unrelated requests do nothing, unless more than QUEUE_SOFT writes are queued: then
-        the oldest one is stored too, if no other thread is storing one. False on timeout."""
-        if not self._items:
-            return True
-        deadline = time.monotonic() + timeout
-        while True:  # each inline store waits INLINE_LOCK_S for the writer lock at most
-            got = self._store_next(text, deadline, lock_deadline=min(deadline, time.monotonic() + INLINE_LOCK_S))
-            if got is not True:
-                break
-        if len(self._items) > QUEUE_SOFT:
-            self._store_next(None, None, wait=False, lock_deadline=time.monotonic() + INLINE_LOCK_S)
-        return got is None
-
-    def _store_next(self, text: str | None, deadline: float | None, *, wait: bool = True,
-                    lock_deadline: float | None) -> bool | None:
-        """Store the oldest queued write (whose text is a prefix of ``text``, if given) in
-        this thread: True when one was stored, None when there is none (and, with ``text``,
-        none related is being stored; without ``wait``: none can be taken now), False on timeout
-        (``deadline`` passed waiting for one, or the writer lock not had by ``lock_deadline``:
-        the write goes back to the queue, for the background thread).
-
-        One write is stored at a time, oldest first: a conversation's writes land in the
-        order offered, whoever stores them (each chains to the one before)."""
-        with self._lock:
-            while True:
-                items = self._items
-                related = items if text is None else [items[k] for k in extended(text, items, "text")]
-                item = next((i for i in related if i.state == 0), None)
-                if item is not None and not self._busy:
-                    break
-                if not related or not wait:
-                    return None
-                if not self._done.wait(_left(deadline)):
-                    return False
-            item.state = 1
-            self._busy = True
-        # Not stored when the writer lock stays busy (another process holds it, maybe waiting
-        # for a core): the caller stops there. Counted as stored, a request retried the same
-        # write every INLINE_LOCK_S past its own timeout, for as long as the lock stayed busy
-        # (16 processes on 2 cores: requests of 170 ms and more where WAIT_RELATED_S is 50).
-        return self._store_one(item, lock_timeout=_left(lock_deadline))
-
-    def _run(self) -> None:
-        try:
-            self._loop()
-        finally:
-            with self._lock:
-                self._thread = None
-                stopped, self._stopped = self._stopped, []
-            for fn in stopped:
-                try:
-                    fn()
-                except Exception:  # never raise out of the thread
-                    log.exception("tokcache: releasing the segment after the write-behind thread failed")
-
-    def _loop(self) -> None:
-        idle = 0
-        backoff = HEADS_QUIET_S  # the shortest wait for a pause (see HEADS_QUIET_S)
-        while True:
-            settle = False
-            item = None
-            with self._lock:
-                while True:
-                    settler = self.settler
-                    wait_s = WRITER_TICK_S
-                    pause_in = math.inf  # a wait for a pause that has not come (see BUSY_LOOK_S)
-                    if settler.pending:  # settled once requests pause, before writes (it makes them)
-                        left = self._quiet_in()
-                        if left <= 0:
-                            settle = True
-                            break
-                        pause_in = max(left, backoff)
-                    due_in = math.inf
-                    if self._held:  # (see HOLD_S) while requests come, they store due writes (release_due)
-                        busy = BUSY_LOOK_S if self._quiet_in() > 0 else 0.0
-                        due_in = self._release(time.monotonic() - busy)
-                    item = None if self._busy else next((i for i in self._items if i.state == 0), None)
-                    if item is not None:
-                        break
-                    if self.heads.offered:  # built once requests pause (see Heads.quiet_in)
-                        left = self._quiet_in(self.heads.quiet_in(HEADS_QUIET_S))
-                        if left <= 0:
-                            break
-                        pause_in = min(pause_in, max(left, backoff))
-                    if pause_in < math.inf:  # later next time
-                        wait_s = pause_in
-                        backoff = min(2 * backoff, BUSY_LOOK_S)
-                    wait_s = min(wait_s, due_in)
-                    if self._closed:
-                        return
-                    if (idle >= WRITER_PARK_TICKS and not self.heads.offered and not settler.pending
-                            and not self._held):  # park
-                        self._parked = True
-                        self._work.wait()
-                        self._parked = False
-                        idle = 0
-                    else:
-                        self._work.wait(wait_s)
-                        idle += 1
-                if item is not None:
-                    item.state = 1
-                    self._busy = True
-            idle = 0
-            if item is None:  # a pause came: the next one is looked for soon again
-                backoff = HEADS_QUIET_S
-            if settle:
-                self._paced = True
-                self.settler.run()
-            elif item is not None:
-                self._store_one(item)
-            else:
-                self.heads.build_pending()
-
-    def _store_one(self, item: _Pending, lock_timeout: float | None = None) -> bool:
-        """Store one taken item (state 1), then mark it done (or queued again when the
-        writer lock was not had within ``lock_timeout``: False). Never raises."""
-        done = True
-        try:
-            done = self._write(item.write, item.text, item.salt, item.mode, lock_timeout)
-        except Exception:  # never let one write end a thread or fail a request
-            log.exception("tokcache: write-behind failed")
-            self._stats.writes["failed"] += 1
-        finally:
-            with self._lock:
-                self._busy = False
-                if done:
-                    item.state = 2
-                    self._items.remove(item)
-                else:
-                    item.state = 0
-                self._done.notify_all()
-        return done
-
-    def _write(self, write: PendingWrite[Chunks], text: str, salt: str, mode: str,
-               lock_timeout: float | None) -> bool:
-        """Store or learn one write; False when the writer lock was busy past ``lock_timeout``."""
-        if self._store is not None:
-            try:
-                ref = commit(self._store, self._memo, write, lock_timeout=lock_timeout)
-            except LockTimeout:
-                if lock_timeout is None:
-                    self._stats.writes["failed"] += 1
-                    return True
-                return False
-            except StoreError as exc:
-                self._stats.writes["failed"] += 1
-                log.debug("tokcache: write-behind store error: %s", exc)
-                return True
-            self._stats.writes["stored" if ref is not None else "refused"] += 1
-            return True
-        assert self._learn is not None
-        self._learn(self._model, text, salt, mode)
-        self._stats.writes["learned"] += 1
-        return True
-
-    def close(self, timeout: float = 2.0) -> None:
-        """Write what is queued (at most ``timeout`` s), stop the thread. Idempotent."""
-        with self._lock:
-            if self._closed:
-                return
-            thread = self._thread
-        self.flush(timeout)
-        with self._lock:
-            self._closed = True
-            self._work.notify_all()
-        if thread is not None:
-            thread.join(timeout)
-
-    def when_stopped(self, release: Callable[[], None]) -> None:
-        """Call ``release`` (unmap the segment, close its lock) once the background thread has
-        ended: now if it has (or never ran), else from the thread as it ends. A thread still
-        storing a write after :meth:`close` (the writer lock held elsewhere: it waits up to the
-        store's lock timeout) would fault on an unmapped segment or a closed semaphore."""
-        with self._lock:
-            thread = self._thread
-            if thread is not None and thread.is_alive():
-                self._stopped.append(release)
-                log.info("tokcache: model %s: the write-behind thread is still storing a write; "
-                         "the segment is unmapped once it is done", self._model)
-                return
-        release()
-
-
-def _left(deadline: float | None) -> float | None:
-    """Seconds until ``deadline`` (None: no deadline), never negative, at most what a lock
-    wait takes (a longer one raises OverflowError; a huge timeout is valid input)."""
-    return None if deadline is None else min(max(0.0, deadline - time.monotonic()), threading.TIMEOUT_MAX)
+"""learn(model, text, salt, mode): ask the sidecar to tokenize (and so store) ``text``; must not block."""
 
 
 def find_tokenizer_json(*candidates: str | Path | None) -> Path | None:
@@ -761,19 +173,23 @@ def find_tokenizer_json(*candidates: str | Path | None) -> Path | None:
     return None
 
 
-class LocalModel:
-    """One model's in-process read path. Thread-safe; close when done.
+def _served_key(text: str, salt: str) -> tuple[int, str, str]:
+    """The key a served prompt is filed under (see SERVED_KEY_CHARS). Texts that share it
+    replace each other: the one replaced is stored as a read's write would be."""
+    return len(text), text[-SERVED_KEY_CHARS:], salt
 
-    Create with :meth:`open`. :meth:`tokenize` returns None when the mapping went stale
-    (the segment was replaced, or its manifest changed): the caller opens a new one.
+
+class LocalModel:
+    """One model's in-process path: reads and records. Thread-safe; close when done.
+
+    Create with :meth:`open`. :meth:`tokenize` is not to be called once :attr:`stale` is
+    True (the segment was replaced, or its manifest changed): the caller opens a new one.
     """
 
     def __init__(self, name: str, reader: StoreReader, manifest_raw: bytes, model: ReadModel, limits: Limits,
-                 writer: WriteBehind, memo: ChainMemo[Chunks], writable: Store | None, *, tier: bool = False,
-                 min_write_bytes: int = MIN_WRITE_BYTES) -> None:
+                 memo: ChainMemo[Chunks], writable: Store | None, checks: OutputChecks, stats: LocalStats, *,
+                 learn: Learn | None = None, tier: bool = False, min_write_bytes: int = MIN_WRITE_BYTES) -> None:
         self.name = name
-        # A read whose uncached tail is shorter stores nothing (see MIN_WRITE_BYTES); the
-        # second, for a read that found nothing cached (MIN_FIRST_WRITE_BYTES).
         self.min_write_bytes = min_write_bytes
         self._first_write_bytes = min(min_write_bytes, MIN_FIRST_WRITE_BYTES)
         # The sidecar has a cluster tier (manifest): what no local AR applies to goes to it.
@@ -783,30 +199,34 @@ class LocalModel:
         self.fingerprint = model.fingerprint
         self.backend = model.encoder.name
         self.memo = memo
-        self.lookup: Lookup[Chunks, list[int]] = Lookup(model, reader, memo, limits, heads=writer.heads, defer=True)
-        self.writer = writer
-        self.settler = Settler(self.lookup.settle, self._hand_off)
-        writer.attach(self.settler)
+        self.stats = stats
+        self.lookup: Lookup[Chunks, list[int]] = Lookup(model, reader, memo, limits)
+        self.recorder: Recorder[Chunks, list[int]] | None = None if writable is None else Recorder(
+            model, checks, self.lookup, self._serve, writable, max_text_bytes=limits.max_text_bytes,
+            store_failed=self._store_failed, lock_timeout=RECORD_LOCK_S)
         self._writable = writable
-        # _kept_key(text, salt) -> (text, kv-stable write skipped for its size), newest last (see
-        # KEPT_FOR_RECORD and KEPT_KEY_CHARS).
-        self._kept: OrderedDict[tuple[int, str, str], tuple[str, PendingWrite[Chunks]]] = OrderedDict()
-        self._kept_lock = threading.Lock()
-        self._keep_for_records = False  # set by the first store_for_record (see KEPT_FOR_RECORD)
+        self._learn = learn
+        # _served_key(text, salt) -> the prompt a read served, for its record; newest last.
+        self._served: OrderedDict[tuple[int, str, str], Served[Chunks, list[int]]] = OrderedDict()
+        # True once this process recorded an output (here or over RPC): its kv-stable reads
+        # then leave their entries to their records.
+        self._records_follow = False
+        self._lock = threading.Lock()  # guards _served and _records_follow
         self._manifest_raw = manifest_raw
         self._words = reader._words  # the header words: W_RETIRED is checked on every request
         self._checked = time.monotonic()
         self._stale = False
+        self._closed = False
 
     @classmethod
     def open(cls, name: str, shm_name: str, *, tokenizer_json: Path | None, fingerprint: str | None = None,
              writable: bool = True, learn: Learn | None = None, stats: LocalStats | None = None,
-             encoder: Any = None, min_write_bytes: int = MIN_WRITE_BYTES) -> LocalModel:
-        """Map ``shm_name`` and build the read path for model ``name``.
+             encoder: Any = None, min_write_bytes: int = MIN_WRITE_BYTES) -> LocalModel:  # noqa: ANN401
+        """Map ``shm_name`` and build the in-process path for model ``name``.
 
         ``tokenizer_json``: this process's copy of the tokenizer (its fingerprint must be
-        the segment's). ``writable``: try to store learned entries directly (else through
-        ``learn``). Raises LocalUnavailable with the reason.
+        the segment's). ``writable``: store entries and records directly (else reads hand
+        theirs to ``learn`` and records go over RPC). Raises LocalUnavailable with the reason.
         """
         stats = stats or LocalStats()
         if tokenizer_json is None:
@@ -829,6 +249,7 @@ class LocalModel:
             try:
                 manifest = Manifest.from_bytes(raw)
                 model = from_manifest(tokenizer_json, manifest, encoder=encoder)
+                checks = OutputChecks(tokenizer_json, manifest.vocab_size)
             except ManifestMismatch as exc:
                 raise LocalUnavailable("manifest", f"segment {shm_name}: {exc}") from exc
             except (OSError, ValueError) as exc:
@@ -842,14 +263,18 @@ class LocalModel:
                 try:
                     store = Store.attach(shm_name, fingerprint=reader.fingerprint, ttl=ttl)
                 except StoreError as exc:
-                    log.info("tokcache: segment %s is not writable here (%s); learned entries go to the sidecar",
-                             shm_name, exc)
-            writer = WriteBehind(name, store, memo, learn, stats)
-            return cls(name, reader, raw, model, limits, writer, memo, store, tier=manifest.ar_tier,
-                       min_write_bytes=min_write_bytes)
+                    log.info("tokcache: segment %s is not writable here (%s); entries and records go to the "
+                             "sidecar", shm_name, exc)
+            return cls(name, reader, raw, model, limits, memo, store, checks, stats, learn=learn,
+                       tier=manifest.ar_tier, min_write_bytes=min_write_bytes)
         except BaseException:
             reader.close()
             raise
+
+    @property
+    def writes_directly(self) -> bool:
+        """True when entries and records go straight into the segment (else through the sidecar)."""
+        return self._writable is not None
 
     @property
     def stale(self) -> bool:
@@ -865,125 +290,165 @@ class LocalModel:
                 self._stale = self.reader.replaced or self.reader.manifest() != self._manifest_raw
         return self._stale
 
+    # -- reads -----------------------------------------------------------------------------
+
     def tokenize(self, text: str, *, add_special_tokens: bool, salt: str, mode: str,
                  may_wait: bool = False) -> Result[Chunks, list[int]]:
         """Ids of ``text`` decided in this process (the caller checked :attr:`stale` first).
 
-        ``may_wait``: raise RecordPending (nothing filed, nothing queued) when the text
+        ``may_wait``: raise RecordPending (nothing kept, nothing stored) when the text
         continues a recorded output marked as on its way, instead of serving it without it.
 
         Raises the engine's InvalidRequest / RequestTooLarge for bad input, like the RPC, and
         TierNeeded (before encoding) when the sidecar has a cluster tier and no recorded output
-        applies here: only the sidecar can ask the tier, so the request is for it.
-        The learned entries are queued for the write-behind before returning.
+        applies here: only the sidecar can ask the tier, so the request is for it. The read's
+        entries are stored, or kept for the record of its output, before it returns.
         """
-        # Earlier reads' bookkeeping first (this request may extend what it files), then
-        # the previous turn's entries, which may still be on their way to the segment: a
-        # request that extends them stores them first (~0.1 ms of work) rather than missing them.
-        writer = self.writer
-        writer.note_request()
-        try:
-            if self.settler.pending:
-                writer.missed_pause()
-                self.settler.run()
-            writer.release_due()
-            if not writer.idle:
-                writer.settle_related(text, WAIT_RELATED_S)
-            result = self.lookup.tokenize(text, add_special_tokens=add_special_tokens, salt=salt, mode=mode,
-                                          tier=self.tier)
-            if may_wait and result.decision.ar_pending:
-                raise RecordPending(self.name)  # its bookkeeping is dropped: as if never read
-            if result.later is not None:
-                self.settler.add(result.later, text, salt, mode)
-                writer.settle_soon()
-        finally:
-            writer.note_done()
+        result = self.lookup.tokenize(text, add_special_tokens=add_special_tokens, salt=salt, mode=mode,
+                                      tier=self.tier)
+        if may_wait and result.decision.ar_pending:
+            raise RecordPending(self.name)
+        self._keep(text, salt, mode, add_special_tokens, result)
         return result
 
-    def store_for_record(self, prompt_text: str, salt: str) -> None:
-        """Store, in this thread, the write of ``prompt_text`` that was skipped for its size (see
-        KEPT_FOR_RECORD), if kept: an output recorded for it chains to its entries. Reads not
-        settled yet are settled first (this prompt's may be among them). Inline, as a request
-        stores its previous turn's write: a thread hop here would hold the caller's response
-        (vLLM's plugin holds it until the record is stored) for as long as a busy event loop
-        lets a worker thread run. Never raises."""
-        self._keep_for_records = True
-        if self.settler.pending:
-            self.settler.run()
-        held = self.writer.take_held(prompt_text, salt)
-        if held is not None:
-            self.writer.store_now(held, prompt_text, salt, "kv-stable")
+    def _keep(self, text: str, salt: str, mode: str, add_special_tokens: bool,
+              result: Result[Chunks, list[int]]) -> None:
+        """File what a read served for the record of its output, and store its entries now
+        unless that record will (see the module docstring)."""
+        write = result.write
+        if result.full is None:
+            if write is not None:  # (special tokens the cache cannot separate: nothing is cached)
+                self._store_read(write, text, salt, mode)
             return
-        if not self._kept:
-            return
-        key = _kept_key(prompt_text, salt)
-        with self._kept_lock:
-            kept = self._kept.get(key)
-            write = kept[1] if kept is not None and kept[0] == prompt_text else None
-            if write is not None:
-                del self._kept[key]
+        defer = self._records_follow and mode == "kv-stable"
         if write is not None:
-            self.writer.store_now(write, prompt_text, salt, "kv-stable")
+            if defer:
+                self.stats.writes["deferred"] += 1
+            else:
+                self._store_read(write, text, salt, mode)
+        affixes = self.model.affixes
+        prefix, suffix = (affixes.prefix, affixes.suffix) if add_special_tokens else ((), ())
+        served = Served(text, salt, mode, add_special_tokens, result.ids, result.full, result.n, write, prefix, suffix)
+        key = _served_key(text, salt)
+        with self._lock:
+            old = self._served.pop(key, None)
+            self._served[key] = served
+            out = self._served.popitem(last=False)[1] if len(self._served) > SERVED_MAX else None
+        for gone in (old, out):
+            if gone is not None and gone is not served and gone.write is not None and gone.write.decision.stored is None:
+                self._store_read(gone.write, gone.text, gone.salt, gone.mode)
 
-    def hold_record(self, prompt_text: str, output_text: str, salt: str) -> bool:
-        """After the sidecar stored the record of ``output_text`` after ``prompt_text``: have
-        the write-behind read its chain into this process's memo and copy it into a head,
-        between turns, so the turn that continues it (a prefix AR hit) reads and copies only
-        its own tail. False when declined (a busy process). Never raises."""
+    def _store_read(self, write: PendingWrite[Chunks], text: str, salt: str, mode: str) -> None:
+        """Store a read's entries now, in this thread, if it encoded enough (see MIN_WRITE_BYTES).
+        Never raises."""
+        decision = write.decision
+        if decision.encoded_bytes < (self.min_write_bytes if decision.cached_bytes else self._first_write_bytes):
+            self.stats.writes["skipped"] += 1
+            decision.stored = False
+            return
+        store = self._writable
+        if store is None:
+            decision.stored = False
+            if self._learn is not None:
+                try:
+                    self._learn(self.name, text, salt, mode)
+                    self.stats.writes["learned"] += 1
+                except Exception:  # never fail a read for a write
+                    log.debug("tokcache: handing a write to the sidecar failed", exc_info=True)
+                    self.stats.writes["failed"] += 1
+            return
         try:
-            offered = self.lookup.hold(output_key(prompt_text, output_text, salt=salt))
-        except (UnicodeEncodeError, ValueError) as exc:
-            log.debug("tokcache: could not key a recorded output: %r", exc)
-            return False
-        if offered:
-            self.writer.poke()
-        return offered
+            ref = commit(store, self.memo, write, lock_timeout=READ_LOCK_S)
+        except LockTimeout:
+            decision.stored = False
+            self.stats.writes["busy"] += 1
+            return
+        except StoreError as exc:
+            decision.stored = False
+            self._store_failed(exc, "a read's entries are not stored")
+            self.stats.writes["failed"] += 1
+            return
+        self.stats.writes["stored" if ref is not None else "refused"] += 1
+
+    def _store_failed(self, exc: StoreError, consequence: str) -> None:
+        log.debug("tokcache: model %s: store error (%s): %s", self.name, consequence, exc)
+
+    # -- records ---------------------------------------------------------------------------
+
+    def note_record(self) -> None:
+        """This process records its outputs (also over RPC): its kv-stable reads leave their
+        entries to their records from now on."""
+        self._records_follow = True
+
+    def served(self, prompt_text: str, salt: str) -> Served[Chunks, list[int]] | None:
+        """Take the prompt a read of this process served for ``prompt_text`` (None: none kept)."""
+        with self._lock:
+            key = _served_key(prompt_text, salt)
+            got = self._served.get(key)
+            if got is None or not (got.text is prompt_text or got.text == prompt_text):
+                return None
+            return got
+
+    def record(self, *, prompt_text: str, prompt_ids: Sequence[int] | bytes, output_text: str,
+               output_ids: list[int], finish_reason: str, stop_token_id: int | None, stop_string: str | None,
+               salt: str, prompt_add_special_tokens: bool) -> RecordResult:
+        """Verify and store an output in this process (``tokcache.engine.record``), in one chain
+        with the entries its prompt's read left. Needs a writable mapping
+        (:attr:`writes_directly`). Raises InvalidRequest / RequestTooLarge as RecordOutput would
+        (nothing stored)."""
+        recorder = self.recorder
+        assert recorder is not None, "records need a writable mapping"
+        self._records_follow = True
+        served = self.served(prompt_text, salt)
+        try:
+            result = recorder.record(prompt_text=prompt_text, prompt_ids=prompt_ids, output_text=output_text,
+                                     output_ids=output_ids, finish_reason=finish_reason, stop_token_id=stop_token_id,
+                                     stop_string=stop_string, salt=salt,
+                                     prompt_add_special_tokens=prompt_add_special_tokens, served=served)
+        except (InvalidRequest, RequestTooLarge):
+            self.stats.records["refused"] += 1
+            raise
+        self.stats.records["recorded"] += 1
+        if result.prompt == "served" and served is not None and served.write is not None:
+            self.stats.writes["for_record"] += 1
+        return result
+
+    def _serve(self, prompt_text: str, salt: str) -> tuple[list[int], PendingWrite[Chunks] | None]:
+        """What a kv-stable read serves for a recorded prompt this process did not keep, and the
+        entries it learned, left for the record."""
+        result = self.lookup.tokenize(prompt_text, add_special_tokens=False, salt=salt, mode="kv-stable")
+        return result.ids, result.write
 
     def mark(self, prompt_text: str, output_text: str, salt: str, expiry: int) -> bool:
         """Mark the record of ``output_text`` after ``prompt_text`` as on its way until ``expiry``
         (Unix seconds; 1 withdraws the mark). False when this process cannot write the
-        segment or its lock stayed busy for INLINE_LOCK_S. Never raises for store trouble."""
+        segment or its lock stayed busy for READ_LOCK_S. Never raises for store trouble."""
         if self._writable is None:
             return False
         try:
             key = pending_key(output_key(prompt_text, output_text, salt=salt))
-            return self._writable.mark(key, expiry, lock_timeout=INLINE_LOCK_S)
+            return self._writable.mark(key, expiry, lock_timeout=READ_LOCK_S)
         except (StoreError, UnicodeEncodeError, ValueError) as exc:
             log.debug("tokcache: could not mark a record as pending: %r", exc)
             return False
 
-    def _hand_off(self, write: PendingWrite[Chunks] | None, ready: Ready[Chunks] | None, text: str, salt: str,
-                  mode: str, line: Scan, base_line: Scan | None) -> None:
-        """Queue what a settled read made: its write (if its uncached tail is long enough; held
-        when it continues a conversation, see HOLD_S) and head. ``line``, ``base_line``: see HandOff."""
-        if write is not None:
-            decision = write.decision
-            if decision.encoded_bytes >= (self.min_write_bytes if decision.cached_bytes else self._first_write_bytes):
-                if base_line is not None:  # this write holds the entries of the one held for that line
-                    self.writer.supersede(base_line, salt, mode)
-                if decision.cached_bytes and decision.encoded_bytes < HOLD_MAX_BYTES:
-                    self.writer.hold(write, text, salt, mode, line)
-                else:
-                    self.writer.offer(write, text, salt, mode)
-            else:
-                self.writer.skip()
-                if mode == "kv-stable" and self._keep_for_records:
-                    key = _kept_key(text, salt)
-                    with self._kept_lock:
-                        self._kept[key] = (text, write)
-                        self._kept.move_to_end(key)
-                        if len(self._kept) > KEPT_FOR_RECORD:
-                            self._kept.popitem(last=False)
-        if ready is not None and self.lookup.heads.offer(ready):
-            self.writer.poke()
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Store the entries of the prompts kept for records that have not come (each by size,
+        as a read's write). Never raises."""
+        with self._lock:
+            kept = [s for s in self._served.values() if s.write is not None and s.write.decision.stored is None]
+        for s in kept:
+            assert s.write is not None
+            self._store_read(s.write, s.text, s.salt, s.mode)
 
     def close(self) -> None:
-        """Write what is queued, unmap (once the write-behind thread has ended: see
-        WriteBehind.when_stopped). Idempotent; no tokenize may run concurrently."""
-        self.writer.close()
-        self.writer.when_stopped(self._unmap)
-
-    def _unmap(self) -> None:
+        """Store what is kept (:meth:`flush`), then unmap. Idempotent; no call may run concurrently."""
+        if self._closed:
+            return
+        self._closed = True
+        self.flush()
         if self._writable is not None:
             self._writable.close()
             self._writable = None
@@ -1162,7 +627,7 @@ class LocalPaths:
             local.close()
             return None
         log.info("tokcache: model %r is tokenized in this process from segment %s (%s writes, encoder %s)",
-                 model, shm_name, "direct" if local.writer.direct else "sidecar", local.model.encoder.name)
+                 model, shm_name, "direct" if local.writes_directly else "sidecar", local.model.encoder.name)
         return local
 
     def tokenize(self, model: str, text: str, *, add_special_tokens: bool | None, cache_salt: str | None,
@@ -1234,35 +699,67 @@ class LocalPaths:
             reason = self._failed.get(model, (0.0, "unavailable"))[1]
         self.stats.fallbacks[reason] += 1
 
-    @property
-    def idle(self) -> bool:
-        """True when no write is pending (a flush would return at once)."""
-        return all(local.writer.idle for local in list(self._models.values()))
-
-    def hold_records(self, model: str, records: Sequence[tuple[str, str, str]]) -> int:
-        """:meth:`LocalModel.hold_record` of each (prompt text, output text, salt) the sidecar
-        stored for ``model``; how many were offered. Never raises."""
+    def writes_directly(self, model: str) -> LocalModel | None:
+        """``model``'s open path when it can store records in this process, else None (the
+        record goes to the sidecar)."""
         local = self._models.get(model)
-        if local is None or local.stale:
-            return 0
-        held = sum(local.hold_record(prompt, output, salt) for prompt, output, salt in records)
-        self.stats.writes["records_held"] += held
-        return held
+        if local is None or local.stale or not local.writes_directly:
+            return None
+        return local
 
-    def store_for_records(self, records: Sequence[tuple[str, str, str]]) -> None:
-        """Before a RecordOutput of each (model, prompt text, salt): store the prompt's write
-        that was skipped for its size, in this thread (LocalModel.store_for_record). Never raises."""
-        for model, prompt_text, salt in records:
-            local = self._models.get(model)
-            if local is not None:
-                local.store_for_record(prompt_text, salt)
+    def note_record(self, model: str) -> None:
+        """An output of ``model`` is recorded over RPC (see :meth:`LocalModel.note_record`)."""
+        local = self._models.get(model)
+        if local is not None:
+            local.note_record()
 
-    def flush(self, timeout: float | None = None) -> bool:
-        """Wait for every model's pending writes (before a RecordOutput that chains to them)."""
-        ok = True
+    def record(self, model: str, *, prompt_text: Any, prompt_token_ids: Any, output_text: Any,  # noqa: ANN401
+               output_token_ids: Any, finish_reason: Any, stop_reason: Any, cache_salt: Any,  # noqa: ANN401
+               prompt_add_special_tokens: Any) -> _models.RecordResult | None:  # noqa: ANN401
+        """``record_output`` in this process: the result, or None when ``model``'s segment is not
+        writable here (the caller sends RecordOutput; noted, see :meth:`note_record`). Checks
+        the arguments first and raises the client's typed errors, as the RPC would: a refusal
+        is InvalidArgumentError naming the field."""
+        local = self.writes_directly(model)
+        if local is None:
+            self.note_record(model)
+            return None
+        item = {"prompt_text": prompt_text, "prompt_token_ids": prompt_token_ids, "output_text": output_text,
+                "output_token_ids": output_token_ids, "finish_reason": finish_reason, "stop_reason": stop_reason,
+                "cache_salt": cache_salt, "prompt_add_special_tokens": prompt_add_special_tokens}
+        out_ids = _validate.record_here(model, **item)
+        try:
+            return _record(local, item, out_ids)
+        except InvalidRequest as exc:
+            if exc.field == "prompt_token_ids":  # name the bad item, as the RPC path's check does
+                _validate.token_ids(prompt_token_ids, "prompt_token_ids")
+            raise InvalidArgumentError(str(exc), field=exc.field) from exc
+        except RequestTooLarge as exc:
+            raise ResourceExhaustedError(str(exc)) from exc
+
+    def record_many(self, model: str, records: Any) -> _models.RecordSummary | None:  # noqa: ANN401
+        """``record_outputs`` in this process, or None (see :meth:`record`). Every item's
+        arguments are checked before any is stored (InvalidArgumentError naming
+        ``records[i].<key>``); a record that fails verification is listed, not raised."""
+        local = self.writes_directly(model)
+        if local is None:
+            self.note_record(model)
+            return None
+        _validate.model_name(model)
+        items = [_validate.record_item(r, f"records[{i}]") for i, r in enumerate(_validate.records(records))]
+        checked = [_validate.record_here(model, **item, where=f"records[{i}].") for i, item in enumerate(items)]
+        refusals: list[tuple[int, str]] = []
+        for i, (item, out_ids) in enumerate(zip(items, checked, strict=True)):
+            try:
+                _record(local, item, out_ids)
+            except (InvalidRequest, RequestTooLarge) as exc:
+                refusals.append((i, str(exc)))
+        return _models.RecordSummary(recorded=len(items) - len(refusals), refused=len(refusals), refusals=refusals)
+
+    def flush(self) -> None:
+        """Store what every model keeps for records that have not come (LocalModel.flush)."""
         for local in list(self._models.values()):
-            ok = local.writer.flush(timeout) and ok
-        return ok
+            local.flush()
 
     def close(self) -> None:
         """Write what is pending and unmap every segment. Idempotent."""

@@ -34,14 +34,15 @@ class SidecarClient:
     memory whenever its segment can be mapped here (same node, same /dev/shm) and a
     ``tokenizer.json`` with the segment's fingerprint is at hand — from ``tokenizers``
     (model name -> directory or file) or the directory the sidecar loaded it from. The
-    ids are the ones the sidecar would return (same lookup, same segment); what the read
-    learned is stored after the reply (by the conversation's next request in this process,
-    or a background thread when the process is idle). A read that encoded fewer than
-    ``min_write_bytes`` UTF-8 bytes (default 16384; 4096 when nothing of it was cached, so
-    a conversation's next turns find its first entries) stores nothing: this process's
-    next turn does not encode them again, another process's encodes them (~6 µs per KB),
-    which costs less than a write. Chat messages, and every request when the
-    segment cannot be used (logged once, counted in :meth:`stats`), go over RPC.
+    ids are the ones the sidecar would return (same lookup, same segment).
+    :meth:`record_output` verifies and stores the output in this process too, in one chain
+    with its prompt's entries, when the segment is writable here; a process that records its
+    outputs leaves its reads' entries to their records. Other reads store their entries
+    themselves when they encoded at least ``min_write_bytes`` UTF-8 bytes (default 4096;
+    1024 when nothing of the text was cached): this process's next turn does not encode
+    them again, and another process's re-encoding costs less than a smaller write. Chat
+    messages, and every request when the segment cannot be used (logged once, counted in
+    :meth:`stats`), go over RPC.
     """
 
     def __init__(self, address: str | None = None, *, timeout: float | None = 30.0,
@@ -60,7 +61,7 @@ class SidecarClient:
         self._models_at = -float("inf")
 
     def _learn(self, model: str, text: str, salt: str, mode: str) -> None:
-        """Write-behind without write access: the sidecar tokenizes (and stores) the text."""
+        """A read's write without write access: the sidecar tokenizes (and stores) the text."""
         req = pb.TokenizeRequest(model=model, text=text, cache_salt=salt, add_special_tokens=False,
                                  mode=pb.TOKENIZE_MODE_EXACT if mode == "exact" else pb.TOKENIZE_MODE_KV_STABLE)
         self._stub.Tokenize.future(req, timeout=_core.grpc_timeout(self.timeout), metadata=self._metadata or None)
@@ -96,7 +97,7 @@ class SidecarClient:
 
     def stats(self) -> dict[str, dict[str, int]]:
         """What the in-process path did: ``tokenize`` by source, ``fallbacks`` to RPC by
-        reason, ``writes`` (write-behind) by outcome."""
+        reason, ``writes`` and ``records`` by outcome (see ``LocalStats``)."""
         return self._local.stats.snapshot() if self._local is not None else {}
 
     def mark_pending(self, model: str, records: Sequence[tuple[str, str, str]], seconds: float) -> int:
@@ -112,15 +113,12 @@ class SidecarClient:
         return self._local.mark_pending(model, records, seconds) if self._local is not None else 0
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until what in-process reads learned is stored (False on timeout)."""
-        return self._local.flush(timeout) if self._local is not None else True
-
-    def _flush_for(self, records: list[tuple[str, str, str]]) -> None:
-        """Before RecordOutput(s): store the prompts' entries (LocalPaths.store_for_records),
-        then wait for what is still queued."""
+        """Store what in-process reads kept for records that have not come (prompts whose
+        output was never recorded); True. ``timeout`` is accepted for compatibility: the
+        writes are made in this thread."""
         if self._local is not None:
-            self._local.store_for_records(records)
-            self._local.flush(self.timeout)
+            self._local.flush()
+        return True
 
     def tokenize(self, model: str, *, text: str | None = None,
                  messages: Sequence[Mapping[str, Any]] | None = None,
@@ -178,19 +176,24 @@ class SidecarClient:
 
         ``stop_reason``: the stop token id, the stop string (such a record is
         refused: its ids run past the text) or None (EOS / length). The
-        sidecar verifies the record first; a refusal raises
-        :class:`~sidecar_client.errors.InvalidArgumentError` with the reason.
+        record is verified first (the checks ``RecordOutput`` makes); a refusal raises
+        :class:`~sidecar_client.errors.InvalidArgumentError` with the reason. Verified and
+        stored in this process when its segment is writable here (no RPC: a prompt this
+        client just tokenized is recognised, not sent again), else by the sidecar.
         """
         _core.check_timeout(timeout)
-        # The record chains to the prompt's entries: store them first.
-        self._flush_for([(model, prompt_text, cache_salt or "")])
+        if self._local is not None:
+            local = self._local.record(model, prompt_text=prompt_text, prompt_token_ids=prompt_token_ids,
+                                       output_text=output_text, output_token_ids=output_token_ids,
+                                       finish_reason=finish_reason, stop_reason=stop_reason, cache_salt=cache_salt,
+                                       prompt_add_special_tokens=prompt_add_special_tokens)
+            if local is not None:
+                return local
         req = _core.build_record(model, prompt_text=prompt_text, prompt_token_ids=prompt_token_ids,
                                  output_text=output_text, output_token_ids=output_token_ids,
                                  finish_reason=finish_reason, stop_reason=stop_reason, cache_salt=cache_salt,
                                  prompt_add_special_tokens=prompt_add_special_tokens)
         resp = self._call(self._stub.RecordOutput, req, timeout)
-        if resp.entries and self._local is not None:  # its next turn reads its chain: have it read between turns
-            self._local.hold_records(model, [(prompt_text, output_text, cache_salt or "")])
         return RecordResult(recorded_tokens=resp.recorded_tokens, stop_token_dropped=resp.stop_token_dropped,
                             entries=resp.entries)
 
@@ -198,17 +201,16 @@ class SidecarClient:
                        timeout: float | None = None) -> RecordSummary:
         """Record many outputs on one stream; refused ones are listed, not raised.
 
-        Each record is a mapping with the keyword arguments of :meth:`record_output`.
+        Each record is a mapping with the keyword arguments of :meth:`record_output`. Stored
+        in this process when it can (see :meth:`record_output`), else on one stream.
         """
         _core.check_timeout(timeout)
+        if self._local is not None:
+            done = self._local.record_many(model, records)
+            if done is not None:
+                return done
         reqs = _core.build_records(model, records)
-        # Records chain to their prompts' entries: store them first.
-        self._flush_for([(model, r.prompt_text, r.cache_salt) for r in reqs])
         resp = self._call(self._stub.RecordOutputs, iter(reqs), timeout)
-        if resp.recorded and self._local is not None:  # their next turns read their chains: between turns
-            refused = {r.index for r in resp.refusals}
-            self._local.hold_records(model, [(r.prompt_text, r.output_text, r.cache_salt) for i, r in enumerate(reqs)
-                                        if i not in refused])
         return RecordSummary(recorded=resp.recorded, refused=resp.refused,
                              refusals=[(r.index, r.reason) for r in resp.refusals])
 

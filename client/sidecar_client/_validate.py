@@ -46,7 +46,7 @@ from sidecar_client.errors import InvalidArgumentError
 from tokcache.ids import le_bytes
 
 __all__ = ["MAX_JSON_DEPTH", "MODES", "RECORD_FIELDS", "TYPED_MESSAGE_KEYS", "chat", "json_value", "key_path",
-           "model_name", "record", "record_item", "records", "string", "timeout", "token_ids", "tokenize"]
+           "model_name", "record", "record_here", "record_item", "record_options", "records", "string", "timeout", "token_ids", "tokenize"]
 
 MODES = ("kv-stable", "exact")
 # sidecar/wire.py MAX_JSON_DEPTH, counted the same way: the top-level JSON value is depth 1.
@@ -356,6 +356,35 @@ def record(model: object, *, prompt_text: object, prompt_token_ids: object, outp
     prompt_ids = token_ids(prompt_token_ids, f"{where}prompt_token_ids")
     string(output_text, f"{where}output_text")
     output_ids = token_ids(output_token_ids, f"{where}output_token_ids")
+    record_options(finish_reason=finish_reason, stop_reason=stop_reason, cache_salt=cache_salt,
+                   prompt_add_special_tokens=prompt_add_special_tokens, where=where)
+    return prompt_ids, output_ids
+
+
+def record_here(model: object, *, prompt_text: object, prompt_token_ids: object, output_text: object,
+                output_token_ids: object, finish_reason: object, stop_reason: object, cache_salt: object,
+                prompt_add_special_tokens: object, where: str = "") -> list[int]:
+    """:func:`record` for a record stored in this process: the same checks, but the prompt's
+    text and ids are only checked for their kinds here (the recorder compares them with what
+    was served, and names ``prompt_text`` / ``prompt_token_ids`` when they are bad). Returns
+    the output ids as a list of ints."""
+    model_name(model)
+    if not isinstance(prompt_text, str):
+        _bad(f"{where}prompt_text", f"expected a str, got {_kind(prompt_text)}")
+    if isinstance(prompt_token_ids, (*_NOT_A_LIST, Mapping, AbstractSet)) or not (
+            isinstance(prompt_token_ids, Sequence) or hasattr(prompt_token_ids, "__array__")):
+        _bad(f"{where}prompt_token_ids",
+             f"expected a list of token ids (ints in [0, 2**32)), got {_kind(prompt_token_ids)}")
+    string(output_text, f"{where}output_text")
+    packed = token_ids(output_token_ids, f"{where}output_token_ids")
+    record_options(finish_reason=finish_reason, stop_reason=stop_reason, cache_salt=cache_salt,
+                   prompt_add_special_tokens=prompt_add_special_tokens, where=where)
+    return array("I", packed).tolist()
+
+
+def record_options(*, finish_reason: object, stop_reason: object, cache_salt: object,
+                   prompt_add_special_tokens: object, where: str = "") -> None:
+    """The options of a record (see :func:`record`)."""
     _optional_string(finish_reason, f"{where}finish_reason")
     field = f"{where}stop_reason"
     if isinstance(stop_reason, bool) or not (stop_reason is None or isinstance(stop_reason, (Integral, str))):
@@ -366,7 +395,6 @@ def record(model: object, *, prompt_text: object, prompt_token_ids: object, outp
         string(stop_reason, field)
     _optional_string(cache_salt, f"{where}cache_salt")
     _flag(prompt_add_special_tokens, f"{where}prompt_add_special_tokens")
-    return prompt_ids, output_ids
 
 
 def records(value: object) -> Iterable[Any]:

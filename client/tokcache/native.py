@@ -15,9 +15,9 @@ from typing import Any
 __all__ = ["ENGINE_API", "STORE_API", "engine", "load", "store"]
 
 # The version of tokcache.engine._speedups' functions this code calls (its ``API``).
-ENGINE_API = 15
+ENGINE_API = 17
 # The same for tokcache.store._speedups.
-STORE_API = 5
+STORE_API = 6
 
 
 def load(module: str, api: int) -> Any:  # noqa: ANN401 - the extension module, or None

@@ -24,33 +24,17 @@ from tokcache.engine.errors import InvalidRequest, RequestTooLarge
 from tokcache.engine.ids import BYTES
 from tokcache.engine.lookup import Decision, Later, Limits, Lookup, PendingWrite, Result, commit, utf8
 from tokcache.engine.memo import ChainMemo
+from tokcache.engine.record import OutputChecks, Recorder, RecordResult, verify_segment
 from tokcache.engine.tokenizer import Manifest, Proven, fingerprint_of, prove
-from tokcache.ids import le_bytes, pack_ids, unpack_ids
-from tokcache.sidecar.engine.ar import segment_variants, verify_output, verify_segment
+from tokcache.ids import le_bytes
 from tokcache.sidecar.engine.render import ChatRenderer
-from tokcache.sidecar.engine.tokenbytes import TokenBytes
 from tokcache.sidecar.tier import decode_value
 from tokcache.store import Kind, Store, StoreError
-from tokcache.store.keys import KEY_GRID, MODE_KV_STABLE, l0_key, output_key, segment_key
+from tokcache.store.keys import KEY_GRID
 
 log = logging.getLogger(__name__)
 
 __all__ = ["Decision", "Limits", "ModelEngine", "Outcome", "RecordResult", "fingerprint_of", "utf8"]
-
-# Segment AR: a recorded output's pieces shorter than this are not keyed on their own.
-_MIN_SEGMENT_BYTES = 4
-
-
-@dataclass(frozen=True)
-class RecordResult:
-    """What :meth:`ModelEngine.record_output` stored."""
-
-    recorded_tokens: int
-    stop_token_dropped: bool
-    entries: int
-    # The verified segment entries, (key, packed ids): what the cluster tier gets a copy of.
-    segments: tuple[tuple[bytes, bytes], ...] = ()
-
 
 @dataclass
 class Outcome:
@@ -102,10 +86,10 @@ class ModelEngine:
         self.scanner = model.scanner
         self.affixes = model.affixes
         self.renderer: ChatRenderer | None = ChatRenderer.from_dir(path)
-        self.token_bytes = TokenBytes.from_tokenizer_json(tokenizer_json)
+        self.checks = OutputChecks(tokenizer_json, self.vocab_size, reference=self.reference.tokenizer)
+        self.token_bytes = self.checks.token_bytes
         # Ids that vLLM may leave out of the text at the end of an output (EOS and friends).
-        self.special_ids = frozenset(
-            i for i, t in self.reference.tokenizer.get_added_tokens_decoder().items() if t.special)
+        self.special_ids = self.checks.special_ids
         self.limits = limits or Limits()
         self.memo: ChainMemo[bytes] = ChainMemo(BYTES)
         self._store_failures = 0  # failed store writes, and when one was last logged (monotonic)
@@ -117,7 +101,9 @@ class ModelEngine:
         self.lookup = Lookup(model, store, self.memo, self.limits, defer=True)
         self._unsettled: deque[Outcome] = deque()
         self._settle_lock = threading.Lock()  # guards _unsettled: settled one at a time, in order
-        self._store = store
+        self._store: Store | None = None
+        self._recorder: Recorder[bytes, bytes] | None = None
+        self.store = store
         choice = self.proven.choice
         log.info(
             "model %s: fingerprint %s, backend %s (passed %s, failed %s), %d boundary tokens%s, %s",
@@ -136,6 +122,9 @@ class ModelEngine:
     def store(self, store: Store | None) -> None:
         self._store = store
         self.lookup.store = store
+        self._recorder = None if store is None else Recorder(
+            self.proven.model, self.checks, self.lookup, self._serve_prompt, store,
+            max_text_bytes=self.limits.max_text_bytes, store_failed=self._store_failed)
 
     def manifest(self, models: list[str], ttl: dict[str, float] | None = None, *, ar_tier: bool = False) -> Manifest:
         """What a reader of this model's segment needs (``models``: the names served for it;
@@ -206,7 +195,7 @@ class ModelEngine:
                 if later is None:
                     continue
                 try:
-                    out.write, _ = self.lookup.settle(later)
+                    out.write = self.lookup.settle(later)
                 except Exception:
                     log.exception("model %s: settling a read failed; its entries are not stored", self.name)
 
@@ -227,85 +216,29 @@ class ModelEngine:
                       output_ids: list[int], finish_reason: str = "stop", stop_token_id: int | None = None,
                       stop_string: str | None = None, salt: str = "",
                       prompt_add_special_tokens: bool = False) -> RecordResult:
-        """Verify a finished generation and store its AR entries (kv-stable namespace).
+        """Verify a finished generation and store its chain (``tokcache.engine.record``: the
+        same writer a client runs in its own process).
 
         ``prompt_ids``: a list, or packed little-endian uint32 (as RecordOutput carries them:
-        compared as they are, never unpacked when they are what tokcache serves).
-
-        Raises InvalidRequest (no record stored) when the output ids do not decode to the
-        text, an id is out of the vocabulary, the finish was a stop string, or the prompt
-        ids are neither what tokcache serves for ``prompt_text`` nor its canonical
-        tokenization. (The prompt's own entries are stored by its lookup, as a Tokenize
-        would, before the prompt ids are compared.)
+        compared as they are, never unpacked when they are what tokcache serves). Raises
+        InvalidRequest (no record stored) when the output ids do not decode to the text, an id
+        is out of the vocabulary, the finish was a stop string, or the prompt ids are neither
+        what tokcache serves for ``prompt_text`` nor its canonical tokenization.
         """
-        if self.store is None:
+        recorder = self._recorder
+        if recorder is None:
             raise InvalidRequest("model", "no cache configured")
-        for field_name, text in (("prompt_text", prompt_text), ("output_text", output_text)):
-            if len(text) > self.limits.max_text_bytes:  # chars <= bytes: a cheap first test
-                raise RequestTooLarge(field_name, self.limits.max_text_bytes)
-        verified = verify_output(
-            output_text=output_text, output_ids=output_ids, finish_reason=finish_reason,
-            stop_token_id=stop_token_id, stop_string=stop_string, vocab_size=self.vocab_size,
-            special_ids=self.special_ids, decode=self._decode)
-        # The prompt: what we serve for it (kv-stable), or its canonical ids.
-        data = utf8(prompt_text, "prompt_text")
-        affix_pre = pack_ids(self.affixes.prefix) if prompt_add_special_tokens else b""
-        if prompt_add_special_tokens and self.affixes.suffix:
-            raise InvalidRequest("prompt_add_special_tokens",
-                                 "this tokenizer appends special tokens to prompts; outputs cannot follow them")
-        # Packed, the prompt is compared with what is served in one memcmp: no list of ~10^4
-        # ints made, scanned for the vocabulary and packed again (~25% of a record's engine
-        # time, measured in-process on 57 KB prompts). Ids equal to what is served or to the
-        # canonical encoding are in the vocabulary by construction; only others are checked,
-        # to name the bad id.
-        packed = prompt_ids if isinstance(prompt_ids, bytes) else self._pack_prompt(prompt_ids)
-        if len(packed) % 4:
-            raise InvalidRequest("prompt_token_ids", "length is not a multiple of 4 (little-endian uint32 ids)")
-        if packed[:len(affix_pre)] != affix_pre:
-            raise InvalidRequest("prompt_token_ids", "does not start with the tokenizer's BOS tokens")
-        raw_bytes = packed[len(affix_pre):]
-        # The prompt's L0 entry is usually stored already (its reader stores it before recording,
-        # vLLM's plugin included): equal ids then need neither a scan of the prompt nor a lookup.
-        # Otherwise the lookup serves it and stores its entries: the record chains to its L0 entry.
-        prompt_key = l0_key(data, salt=salt, mode="kv-stable")
-        served = self.lookup.stored_exact(prompt_key)
-        if raw_bytes != served:
-            served = self.tokenize(prompt_text, add_special_tokens=False, salt=salt, mode="kv-stable").ids
-        out_bytes = le_bytes(array("I", verified.ids))
-        parent: bytes | None
-        if raw_bytes == served:
-            parent, parent_tokens, record = prompt_key, len(raw_bytes) // 4, out_bytes
-        else:
-            raw_prompt = unpack_ids(raw_bytes)
-            if raw_prompt and max(raw_prompt) >= self.vocab_size:
-                raise InvalidRequest("prompt_token_ids", f"id {max(raw_prompt)} is outside the vocabulary "
-                                                         f"(size {self.vocab_size})")
-            if raw_prompt != self.encoder.encode(prompt_text):
-                raise InvalidRequest("prompt_token_ids", "not what tokcache serves for prompt_text, "
-                                                         "nor its canonical tokenization")
-            parent, parent_tokens, record = None, 0, raw_bytes + out_bytes
-        prefix_key = output_key(data, output_text, salt=salt)
-        n_out = len(verified.ids)
-        entries = self._put_ar(parent, parent_tokens, record, [(prefix_key, len(record) // 4)])
-        # Segment entries, one record per distinct start token.
-        by_start: dict[int, list[tuple[bytes, int]]] = {}
-        out_data = output_text.encode("utf-8")
-        for seg in segment_variants(output_text, verified.ids, self.token_bytes, self.scanner.spans(out_data)):
-            if len(seg.text) < _MIN_SEGMENT_BYTES and seg.text != output_text:
-                continue  # a tiny fragment ("\n") would splice into unrelated text
-            key = segment_key(salt, MODE_KV_STABLE, seg.text.encode("utf-8"))
-            by_start.setdefault(seg.start, []).append((key, seg.end - seg.start))
-        segments: list[tuple[bytes, bytes]] = []
-        for seg_start, keys in by_start.items():
-            longest = max(n for _, n in keys)
-            packed = le_bytes(array("I", verified.ids[seg_start:seg_start + longest]))
-            entries += self._put_ar(None, 0, packed, keys)
-            segments += [(key, packed[:4 * n]) for key, n in keys]
-        # A store that took nothing (full of a bigger record, lock stuck) is reported, not
-        # raised: recording is best effort and the caller's request already succeeded.
-        return RecordResult(recorded_tokens=n_out if entries else 0,
-                            stop_token_dropped=verified.stop_token_dropped, entries=entries,
-                            segments=tuple(segments))
+        return recorder.record(prompt_text=prompt_text, prompt_ids=prompt_ids, output_text=output_text,
+                               output_ids=output_ids, finish_reason=finish_reason, stop_token_id=stop_token_id,
+                               stop_string=stop_string, salt=salt, prompt_add_special_tokens=prompt_add_special_tokens)
+
+    def _serve_prompt(self, prompt_text: str, salt: str) -> tuple[bytes, PendingWrite[bytes] | None]:
+        """What Tokenize serves for a recorded prompt (kv-stable, no special tokens) and the
+        entries it learned, unstored: the record stores them with the output."""
+        out = self.tokenize(prompt_text, add_special_tokens=False, salt=salt, mode="kv-stable", defer_store=True)
+        self.settle_pending()
+        write, out.write = out.write, None
+        return out.ids, write
 
     def accept_tier(self, candidates: list[tuple[bytes, bytes]], values: dict[bytes, bytes]) -> tuple[int, int]:
         """Verify segment entries read from the cluster tier and store the good ones here.
@@ -329,14 +262,6 @@ class ModelEngine:
                 continue
             stored += 1 if self._put_ar(None, 0, le_bytes(array("I", ids)), [(key, len(ids))]) else 0
         return stored, invalid
-
-    @staticmethod
-    def _pack_prompt(ids: list[int]) -> bytes:
-        """Prompt ids as packed LE uint32; InvalidRequest for an id that is not one."""
-        try:
-            return pack_ids(ids)
-        except (OverflowError, TypeError) as exc:
-            raise InvalidRequest("prompt_token_ids", f"expected ints in [0, 2**32): {exc}") from None
 
     def _put_ar(self, parent: bytes | None, parent_tokens: int, ids: bytes,
                 keys: list[tuple[bytes, int]]) -> int:
@@ -363,7 +288,7 @@ class ModelEngine:
             self._store_failure_logged = now
 
     def _decode(self, ids: list[int]) -> str:
-        return str(self.reference.tokenizer.decode(ids, skip_special_tokens=False))
+        return self.checks.decode(ids)
 
     def info(self) -> dict[str, Any]:
         """Static facts about this model, for ListModels and logs."""

@@ -7,8 +7,7 @@ from __future__ import annotations
 import threading
 import time
 
-from sidecar_client._local import _left
-from sidecar_client._tokenize_stream import _Alarm
+from sidecar_client._tokenize_stream import _Alarm, _left
 
 
 class _Call:

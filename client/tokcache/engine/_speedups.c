@@ -11,31 +11,9 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
-#if PY_VERSION_HEX < 0x030B0000
-#include <longintrepr.h> /* 3.10: ob_digit (Python.h includes it from 3.11 on) */
-#endif
 
-/* The value of an exact int of one digit, read in place: 1 and ``*v``, else 0 (the caller
- * converts it the general way). One digit: 0 <= v < 2**30 on 3.10/3.11, |v| < 2**30 from 3.12
- * (compact ints); callers check the range they need. A token id list is walked item by item,
- * and PyLong_AsLong's checks and call were most of a 4000-id walk (~4 ns an id). */
-static inline int small_int(PyObject *o, long *v) {
-    if (!PyLong_CheckExact(o)) return 0;
-#if PY_VERSION_HEX >= 0x030C0000
-    if (!PyUnstable_Long_IsCompact((PyLongObject *)o)) return 0;
-    *v = (long)PyUnstable_Long_CompactValue((PyLongObject *)o);
-    return 1;
-#else
-    Py_ssize_t size = Py_SIZE(o);
-    if (size == 0) {
-        *v = 0;
-        return 1;
-    }
-    if (size != 1) return 0;
-    *v = (long)((PyLongObject *)o)->ob_digit[0];
-    return 1;
-#endif
-}
+#include "_pyint.h"
+#include "_ids.h"
 
 /* ---------------------------------------------------------------------------------- */
 /* Matcher: a trie of the added tokens.                                                */
@@ -595,23 +573,25 @@ static int attr_ssize(PyObject *o, PyObject *name, Py_ssize_t *out) {
 }
 
 PyDoc_STRVAR(extend_doc,
-"extend(text, bases, ns, ctx, tail, now, ar) -> tuple | int\n\n"
-"Lookup._tokenize's scan, keys and hit for ``text`` when it extends one of ``bases`` (the\n"
-"Scans BoundaryScanner.bases lists; the first it extends) that holds a KeyState for ``ns``, no L0 entry and\n"
-"no gallop applies, and the winning keyed cut's chain is held (ChainMemo.held_key's answer, read\n"
-"from ChainMemo.native_view's two dicts). ``ctx`` is (matcher, maxlen, grid, tail_probes,\n"
-"index_buffer, index_off, n_buckets, memo_by_lsn, memo_entries, max_text_bytes). Returns (base,\n"
-"data, spans, tail, tail_from, kept_end, stable, keyed, keys, state_hasher, state_cut, exact_key,\n"
-"pos, key, container, tokens, tail_chars, ar_keys, ar_at), or why it declined (an int >= 1,\n"
-"named by lookup.py's _DECLINED): serve it in Python. With ``ar`` (recorded outputs may apply)\n"
-"the AR keys of the boundaries past the hit are made (``ar_keys``: by cut index, None elsewhere)\n"
-"and ``ar_at`` is the highest of them that is live (-1: none), for the caller to read; without,\n"
-"``ar_keys`` is None and ``ar_at`` -1.");
+"extend(text, bases, ns, ctx, tail, now, ar, root) -> tuple | int\n\n"
+"Lookup._tokenize's scan, keys and hit for ``text``, from the first of ``bases`` (the Scans\n"
+"BoundaryScanner.bases lists) it extends that holds a KeyState for ``ns`` (only the appended part is\n"
+"scanned and hashed), else from the start (``root``: a Hasher fed ``ns``'s header), when it has no\n"
+"L0 entry and no gallop applies. ``ctx`` is (matcher, maxlen, grid, tail_probes, index_buffer,\n"
+"index_off, n_buckets, memo_by_lsn, memo_entries, max_text_bytes). Returns (base or None, data,\n"
+"spans, tail, tail_from, kept_end, stable, keyed, keys, state_hasher, state_cut, exact_key, pos,\n"
+"key, container, tokens, tail_chars, ar_keys, ar_at), or why it declined (an int >= 1, named by\n"
+"lookup.py's _DECLINED): serve it in Python. ``container`` and ``tokens`` are the winning keyed\n"
+"cut's chain when this process holds it (ChainMemo.held_key's answer, read from\n"
+"ChainMemo.native_view's two dicts), else None and -1: the caller reads it. With ``ar`` (recorded\n"
+"outputs may apply) the AR keys of the boundaries past the hit are made (``ar_keys``: by cut\n"
+"index, None elsewhere) and ``ar_at`` is the highest of them that is live (-1: none), for the\n"
+"caller to read; without, ``ar_keys`` is None and ``ar_at`` -1.");
 
 /* Why extend declined a text (its return value then; the Python path serves it): the order
  * of lookup.py's _DECLINED, which names them. */
 enum {
-    TK_NO_BASE = 1,     /* it extends none of the bases (a first turn, another process's text) */
+    TK_NO_BASE = 1,     /* (no longer returned: a text that extends no base is hashed from the start) */
     TK_BASE_STATE,      /* its base holds no usable key state for this namespace */
     TK_INVALID_TEXT,    /* a lone surrogate: the Python path reports it */
     TK_TOO_LARGE,       /* over max_text_bytes: the Python path reports it */
@@ -619,7 +599,7 @@ enum {
     TK_WINDOW_KEYS,     /* a key of the probe window the base never made */
     TK_L0,              /* the whole text is cached (L0): the Python path reads it */
     TK_NO_WINDOW_HIT,   /* no keyed cut of the window is cached (a miss, or a gallop further back) */
-    TK_CHAIN_NOT_HELD,  /* the hit's chain is not held by this process's memo */
+    TK_CHAIN_NOT_HELD,  /* (no longer returned: the caller reads a chain the memo does not hold) */
     TK_AR_KEYS,         /* the base never made the AR keys the recorded-output search needs */
 };
 #define DECLINE(reason) \
@@ -633,8 +613,9 @@ static PyObject *py_extend(PyObject *self, PyObject *args) {
     unsigned long long tail;
     double now;
     int want_ar;
-    if (!PyArg_ParseTuple(args, "UO!OO!Kdp", &text, &PyList_Type, &bases, &ns, &PyTuple_Type, &ctx, &tail, &now,
-                          &want_ar))
+    PyObject *root;
+    if (!PyArg_ParseTuple(args, "UO!OO!KdpO", &text, &PyList_Type, &bases, &ns, &PyTuple_Type, &ctx, &tail, &now,
+                          &want_ar, &root))
         return NULL;
     Matcher *matcher;
     Py_ssize_t maxlen, grid, tail_probes, index_off, max_text_bytes;
@@ -649,7 +630,7 @@ static PyObject *py_extend(PyObject *self, PyObject *args) {
     PyObject *result = NULL, *snapshot = NULL, *base = NULL, *old = NULL, *hashers = NULL, *sub = NULL,
              *added = NULL, *base_data = NULL, *data = NULL, *base_spans = NULL, *spans = NULL, *tail_list = NULL,
              *keyed = NULL, *keys = NULL, *state = NULL, *exact = NULL, *ident = NULL, *entry = NULL,
-             *st = NULL, *ar_keys = NULL;
+             *st = NULL, *ar_keys = NULL, *empty = NULL;
     /* Hasher states on the stack (plain data, ~2 KB each): the key pass, the AR keys'. */
     blake3_hasher hs, as;
     Py_buffer view;
@@ -673,25 +654,34 @@ static PyObject *py_extend(PyObject *self, PyObject *args) {
         }
         Py_CLEAR(old);
     }
-    if (!base) DECLINE(TK_NO_BASE);
-
-    /* 2. Its key state for this namespace: (cut, hasher, l1, ar, keyed). */
-    hashers = PyObject_GetAttr(base, s_hashers);
-    if (!hashers) goto fail;
-    if (!PyDict_Check(hashers)) DECLINE(TK_BASE_STATE);
-    st = PyDict_GetItemWithError(hashers, ns);
-    if (!st) {
-        if (PyErr_Occurred()) goto fail;
-        DECLINE(TK_BASE_STATE);
+    /* 2. Its key state for this namespace: (cut, hasher, l1, ar, keyed); without a base, the
+     * namespace's root state before the first cut (-1), no keys. */
+    Py_ssize_t r_cut = -1;
+    PyObject *r_hasher = root, *r_l1, *r_ar, *r_keyed;
+    if (base) {
+        hashers = PyObject_GetAttr(base, s_hashers);
+        if (!hashers) goto fail;
+        if (!PyDict_Check(hashers)) DECLINE(TK_BASE_STATE);
+        st = PyDict_GetItemWithError(hashers, ns);
+        if (!st) {
+            if (PyErr_Occurred()) goto fail;
+            DECLINE(TK_BASE_STATE);
+        }
+        Py_INCREF(st); /* held: another thread may file a new state meanwhile */
+        if (!PyTuple_Check(st) || PyTuple_GET_SIZE(st) != 5 || !PyList_Check(PyTuple_GET_ITEM(st, 2)) ||
+            !PyList_Check(PyTuple_GET_ITEM(st, 4)))
+            DECLINE(TK_BASE_STATE);
+        if (as_ssize(PyTuple_GET_ITEM(st, 0), &r_cut) < 0) goto fail;
+        r_hasher = PyTuple_GET_ITEM(st, 1);
+        r_l1 = PyTuple_GET_ITEM(st, 2);
+        r_ar = PyTuple_GET_ITEM(st, 3);
+        r_keyed = PyTuple_GET_ITEM(st, 4);
+    } else {
+        m = 0;
+        empty = PyList_New(0);
+        if (!empty) goto fail;
+        r_l1 = r_ar = r_keyed = empty;
     }
-    Py_INCREF(st); /* held: another thread may file a new state meanwhile */
-    if (!PyTuple_Check(st) || PyTuple_GET_SIZE(st) != 5 || !PyList_Check(PyTuple_GET_ITEM(st, 2)) ||
-        !PyList_Check(PyTuple_GET_ITEM(st, 4)))
-        DECLINE(TK_BASE_STATE);
-    Py_ssize_t r_cut;
-    if (as_ssize(PyTuple_GET_ITEM(st, 0), &r_cut) < 0) goto fail;
-    PyObject *r_hasher = PyTuple_GET_ITEM(st, 1), *r_l1 = PyTuple_GET_ITEM(st, 2), *r_ar = PyTuple_GET_ITEM(st, 3),
-             *r_keyed = PyTuple_GET_ITEM(st, 4);
     /* (None: a state cut back, rebuilt by the Python path; a blake3-package hasher: a build
      * without the store extension's Hasher) */
     if (!hasher_api || Py_TYPE(r_hasher) != hasher_api->type) DECLINE(TK_BASE_STATE);
@@ -706,7 +696,7 @@ static PyObject *py_extend(PyObject *self, PyObject *args) {
         PyErr_Clear();
         DECLINE(TK_INVALID_TEXT);
     }
-    base_data = PyObject_GetAttr(base, s_data);
+    base_data = base ? PyObject_GetAttr(base, s_data) : PyBytes_FromStringAndSize(NULL, 0);
     if (!base_data) goto fail;
     if (!PyBytes_Check(base_data)) DECLINE(TK_BASE_STATE);
     Py_ssize_t b_len = PyBytes_GET_SIZE(base_data), a_len = PyBytes_GET_SIZE(added), total = b_len + a_len;
@@ -717,13 +707,19 @@ static PyObject *py_extend(PyObject *self, PyObject *args) {
     memcpy(PyBytes_AS_STRING(data) + b_len, PyBytes_AS_STRING(added), (size_t)a_len);
 
     /* 4. Boundaries: the base's stable spans, then the matches from its tail region on. */
-    Py_ssize_t b_stable, b_tail_from, b_kept_end;
-    base_spans = PyObject_GetAttr(base, s_spans);
-    if (!base_spans || attr_ssize(base, s_stable, &b_stable) < 0 || attr_ssize(base, s_tail_from, &b_tail_from) < 0 ||
-        attr_ssize(base, s_kept_end, &b_kept_end) < 0)
-        goto fail;
-    if (!(Spans_Check(base_spans) || PyList_Check(base_spans)) || b_stable < 0 || b_stable > spans_len(base_spans))
-        DECLINE(TK_BASE_STATE);
+    Py_ssize_t b_stable = 0, b_tail_from = 0, b_kept_end = 0;
+    if (base) {
+        base_spans = PyObject_GetAttr(base, s_spans);
+        if (!base_spans || attr_ssize(base, s_stable, &b_stable) < 0 ||
+            attr_ssize(base, s_tail_from, &b_tail_from) < 0 || attr_ssize(base, s_kept_end, &b_kept_end) < 0)
+            goto fail;
+        if (!(Spans_Check(base_spans) || PyList_Check(base_spans)) || b_stable < 0 ||
+            b_stable > spans_len(base_spans))
+            DECLINE(TK_BASE_STATE);
+    } else {
+        base_spans = PyList_New(0);
+        if (!base_spans) goto fail;
+    }
     /* The base's stable spans, copied flat (see Spans), then the new ones appended. */
     Spans *own = spans_alloc(b_stable + 64);
     spans = (PyObject *)own;
@@ -744,7 +740,7 @@ static PyObject *py_extend(PyObject *self, PyObject *args) {
                   &stable) < 0)
         goto fail;
     Py_ssize_t n = own->n;
-    if (r_cut < 0 || r_cut >= n || stable < 1 || stable - 1 < r_cut) DECLINE(TK_UNSTABLE);
+    if ((base && (r_cut < 0 || r_cut >= n)) || stable < 1 || stable - 1 < r_cut) DECLINE(TK_UNSTABLE);
 
     /* 5. Keyed cuts (KEY_GRID): the base's up to its state's cut, then the new ones. */
     Py_ssize_t p = 0, nk_old = PyList_GET_SIZE(r_keyed);
@@ -760,8 +756,10 @@ static PyObject *py_extend(PyObject *self, PyObject *args) {
     if (!keyed || !keys) goto fail;
     {
         Py_ssize_t s0, e0, prev_block = -1;
-        if (span_at(spans, r_cut, &s0, &e0) < 0) goto fail;
-        if (grid) prev_block = e0 / grid;
+        if (r_cut >= 0) {
+            if (span_at(spans, r_cut, &s0, &e0) < 0) goto fail;
+            if (grid) prev_block = e0 / grid;
+        }
         for (Py_ssize_t i = r_cut + 1; i < n; i++) {
             Py_ssize_t si, ei;
             if (span_at(spans, i, &si, &ei) < 0) goto fail;
@@ -781,8 +779,9 @@ static PyObject *py_extend(PyObject *self, PyObject *args) {
 
     /* 6. One hashing pass from the base's state: the new keyed cuts, the state at the last
      * stable cut, the whole text (L0). */
-    Py_ssize_t last = stable - 1, r_off, keep_at, tmp;
-    if (span_at(spans, r_cut, &tmp, &r_off) < 0 || span_at(spans, last, &tmp, &keep_at) < 0) goto fail;
+    Py_ssize_t last = stable - 1, r_off = 0, keep_at, tmp;
+    if ((r_cut >= 0 && span_at(spans, r_cut, &tmp, &r_off) < 0) || span_at(spans, last, &tmp, &keep_at) < 0)
+        goto fail;
     hs = ((TkHasher *)r_hasher)->state;
     Py_ssize_t start = r_off, q = p;
     int keep_done = last == r_cut;
@@ -842,34 +841,35 @@ static PyObject *py_extend(PyObject *self, PyObject *args) {
     PyBuffer_Release(&view);
     have_view = 0;
 
-    /* 8. The winner's chain, from what this process holds (else the Python path reads it):
+    /* 8. The winner's chain, from what this process holds (else the caller reads it):
      * ChainMemo.held_key's answer, read from its dicts in place (ChainMemo.native_view). No
      * Python code runs between these reads, and a state the memo's writer leaves between two
-     * of its steps can only lack the ident or the entry: a miss, served by the Python path. */
+     * of its steps can only lack the ident or the entry: not held, read by the caller. */
     PyObject *key = PyList_GET_ITEM(keys, pos); /* borrowed */
-    Py_ssize_t tokens;
-    {
+    Py_ssize_t tokens = -1;
+    PyObject *container = Py_None; /* borrowed: None, or entry's */
+    do {
         PyObject *lsn_obj = PyLong_FromUnsignedLongLong(lsn);
         if (!lsn_obj) goto fail;
         ident = PyDict_GetItemWithError(memo_by_lsn, lsn_obj);
         Py_DECREF(lsn_obj);
         if (!ident) {
             if (PyErr_Occurred()) goto fail;
-            DECLINE(TK_CHAIN_NOT_HELD);
+            break;
         }
         Py_INCREF(ident);
         entry = PyDict_GetItemWithError(memo_entries, ident);
         if (!entry) {
             if (PyErr_Occurred()) goto fail;
-            DECLINE(TK_CHAIN_NOT_HELD);
+            break;
         }
         Py_INCREF(entry); /* (container, base, n, floor, {key: ids used}) */
         if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 5 || !PyDict_Check(PyTuple_GET_ITEM(entry, 4)))
-            DECLINE(TK_CHAIN_NOT_HELD);
+            break;
         PyObject *used_obj = PyDict_GetItemWithError(PyTuple_GET_ITEM(entry, 4), key);
         if (!used_obj) {
             if (PyErr_Occurred()) goto fail;
-            DECLINE(TK_CHAIN_NOT_HELD);
+            break;
         }
         Py_ssize_t e_base, e_n, used;
         long long floor;
@@ -879,13 +879,14 @@ static PyObject *py_extend(PyObject *self, PyObject *args) {
         floor = PyLong_AsLongLong(PyTuple_GET_ITEM(entry, 3));
         if (floor == -1 && PyErr_Occurred()) goto fail;
         if (used > e_n || floor < 0 || (unsigned long long)floor < tail) /* floor < 0: not known live */
-            DECLINE(TK_CHAIN_NOT_HELD);
-        tokens = e_base + used;
+            break;
         /* The LRU's use mark, as held_key sets it (OrderedDict.move_to_end: C, no Python code). */
         PyObject *moved = PyObject_CallMethodOneArg(memo_entries, s_move_to_end, ident);
         if (!moved) goto fail;
         Py_DECREF(moved);
-    }
+        tokens = e_base + used;
+        container = PyTuple_GET_ITEM(entry, 0);
+    } while (0);
     /* 9. The uncached tail's length in characters (UTF-8 lead bytes), so the caller need not
      * decode it to count them: the tail encoder reuses this process's previous encoding.
      * Counted on the shorter side of the hit (none for ASCII): a conversation's hit stays at
@@ -960,8 +961,8 @@ static PyObject *py_extend(PyObject *self, PyObject *args) {
     PyObject_GC_UnTrack(tail_list);
     PyObject_GC_UnTrack(keyed);
     PyObject_GC_UnTrack(keys);
-    result = Py_BuildValue("(OOOOnnnOOOnOnOOnnOn)", base, data, spans, tail_list, tail_from, kept_end, stable, keyed,
-                           keys, state, last, exact, pos, key, PyTuple_GET_ITEM(entry, 0), tokens,
+    result = Py_BuildValue("(OOOOnnnOOOnOnOOnnOn)", base ? base : Py_None, data, spans, tail_list, tail_from,
+                           kept_end, stable, keyed, keys, state, last, exact, pos, key, container, tokens,
                            tail_chars, ar_keys ? ar_keys : Py_None, ar_at);
     goto done;
 none:
@@ -990,6 +991,7 @@ done:
     Py_XDECREF(entry);
     Py_XDECREF(st);
     Py_XDECREF(ar_keys);
+    Py_XDECREF(empty);
     return result;
 }
 
@@ -1343,26 +1345,28 @@ static PyObject *py_intern(PyObject *self, PyObject *args) {
 }
 
 PyDoc_STRVAR(unpack_doc,
-"unpack(data, table) -> list\n\n"
-"tokcache.ids.unpack_ids of packed LE u32 ``data`` (``len(data) % 4 == 0``), its ints taken from\n"
-"``table`` (made there the first time, see intern) rather than made one per id.");
+"unpack(data, table, width=4) -> list\n\n"
+"tokcache.ids.unpack_ids of packed LE ids ``data``, ``width`` (3 or 4) bytes each (a segment\n"
+"stores them 3 wide), its ints taken from ``table`` (made there the first time, see intern)\n"
+"rather than made one per id.");
 
 static PyObject *py_unpack(PyObject *self, PyObject *args) {
     Py_buffer in;
     PyObject *table;
-    if (!PyArg_ParseTuple(args, "y*O!", &in, &PyList_Type, &table)) return NULL;
-    Py_ssize_t n = in.len / 4, m = PyList_GET_SIZE(table);
+    int width = 4;
+    if (!PyArg_ParseTuple(args, "y*O!|i", &in, &PyList_Type, &table, &width)) return NULL;
+    Py_ssize_t n = (width == 3 || width == 4) ? in.len / width : 0, m = PyList_GET_SIZE(table);
     PyObject *out = NULL;
-    if (in.len % 4) {
-        PyErr_SetString(PyExc_ValueError, "unpack: data must be packed uint32");
+    if ((width != 3 && width != 4) || in.len % width) {
+        PyErr_SetString(PyExc_ValueError, "unpack: data must be packed ids of 3 or 4 bytes (width)");
         goto done;
     }
     out = PyList_New(n);
     if (!out) goto done;
     const unsigned char *src = in.buf;
     for (Py_ssize_t i = 0; i < n; i++) {
-        uint32_t v;
-        memcpy(&v, src + 4 * i, 4);
+        uint32_t v = 0;
+        memcpy(&v, src + width * i, (size_t)width);
         PyObject *c = (Py_ssize_t)v < m ? shared_int(table, v, NULL) : PyLong_FromUnsignedLong(v);
         if (!c) {
             Py_CLEAR(out);
@@ -1425,8 +1429,12 @@ PyMODINIT_FUNC PyInit__speedups(void) {
     }
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
+    if (PyModule_AddFunctions(m, tk_ids_methods) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
     Py_INCREF(&MatcherType);
-    if (PyModule_AddIntConstant(m, "API", 15) < 0 || PyModule_AddObject(m, "Matcher", (PyObject *)&MatcherType) < 0) {
+    if (PyModule_AddIntConstant(m, "API", 17) < 0 || PyModule_AddObject(m, "Matcher", (PyObject *)&MatcherType) < 0) {
         Py_DECREF(&MatcherType);
         Py_DECREF(m);
         return NULL;

@@ -82,17 +82,31 @@ def intern_ids(ids: list[int]) -> list[int]:
     return _native.intern(ids, _interned())  # type: ignore[no-any-return]
 
 
-def unpack_interned(data: bytes) -> list[int]:
-    """``unpack_ids(data)`` with the ints of :func:`intern_ids` (not made one per id)."""
+def unpack_interned(data: bytes, width: int = 4) -> list[int]:
+    """``unpack_ids(data)`` with the ints of :func:`intern_ids` (not made one per id); ``data``
+    holds ``width`` (3 or 4) bytes per id."""
     if _native is None:
-        return unpack_ids(data)
-    return _native.unpack(data, _interned())  # type: ignore[no-any-return]
+        return unpack_ids(data if width == 4 else _widen(data))
+    return _native.unpack(data, _interned(), width)  # type: ignore[no-any-return]
+
+
+def _widen(data: bytes) -> bytes:
+    """3-byte LE ids as packed LE u32 (tokcache.store._layout.widen, without importing the store)."""
+    out = bytearray(len(data) // 3 * 4)
+    out[0::4] = data[0::3]
+    out[1::4] = data[1::3]
+    out[2::4] = data[2::3]
+    return bytes(out)
 
 
 class IdFormat(Generic[Ids, Out]):
     """Operations the lookup needs on one id container type (``Ids``) and its callers' (``Out``)."""
 
     name: str
+
+    def from_stored(self, data: bytes, width: int) -> Ids:
+        """A container of ``data``, ids ``width`` (3 or 4) bytes each, as a segment stores them."""
+        return self.from_u32(data if width == 4 else _widen(data))
 
     def from_u32(self, data: bytes) -> Ids:
         """A new container holding packed LE uint32 ``data``."""
@@ -126,16 +140,6 @@ class IdFormat(Generic[Ids, Out]):
     def result(self, ids: Ids, n: int, prefix: tuple[int, ...] = (), suffix: tuple[int, ...] = ()) -> Out:
         """What a caller gets: ``prefix + ids[:n] + suffix``, which it owns."""
         raise NotImplementedError
-
-    def finish(self, head: Out, ids: list[int], skip: int, suffix: tuple[int, ...] = ()) -> Out:
-        """``head + ids[skip:] + suffix``, in ``head`` where it can grow (a caller's own
-        container: see :mod:`tokcache.engine.heads`)."""
-        raise NotImplementedError
-
-    def head(self, ids: Ids, n: int) -> Out:
-        """:meth:`result` of ``ids[:n]`` made to be grown by :meth:`finish` (a head: see
-        :mod:`tokcache.engine.heads`)."""
-        return self.result(ids, n)
 
     def compact(self, ids: Ids) -> Ids:
         """``ids`` in the container cheapest to read from (for a memo entry; write path)."""
@@ -174,11 +178,6 @@ class BytesFormat(IdFormat[bytes, bytes]):
         from tokcache.ids import pack_ids
 
         return pack_ids(prefix) + body + pack_ids(suffix)
-
-    def finish(self, head: bytes, ids: list[int], skip: int, suffix: tuple[int, ...] = ()) -> bytes:
-        from tokcache.ids import pack_ids
-
-        return head + pack_ids(ids[skip:]) + pack_ids(suffix)
 
     def to_u32(self, ids: bytes, n: int) -> bytes:
         return ids if len(ids) == 4 * n else ids[: 4 * n]
@@ -238,9 +237,6 @@ def sliced(ids: Chunks, lo: int, hi: int) -> list[int]:
     return out
 
 
-# Ids a head has room for past its own (ListFormat.head): a turn appends what it encoded
-# after the last stable cut, a few hundred to a few thousand ids for a few KB of text.
-HEAD_ROOM = 4096
 # Parts past which a container is flattened into one list (one copy, then short chains again).
 MAX_PARTS = 64
 # Parts past which a memo entry is flattened when it is stored (write path): a result copies
@@ -254,7 +250,10 @@ class ListFormat(IdFormat["Chunks", list[int]]):
     name = "list"
 
     def from_u32(self, data: bytes) -> Chunks:
-        ids = untrack(self.own_u32(data))
+        return self.from_stored(data, 4)
+
+    def from_stored(self, data: bytes, width: int) -> Chunks:
+        ids = untrack(unpack_interned(data, width))
         return Chunks(((ids, len(ids)),) if ids else (), len(ids))
 
     def own(self, ids: list[int]) -> list[int]:
@@ -303,24 +302,6 @@ class ListFormat(IdFormat["Chunks", list[int]]):
         if suffix:
             out.extend(suffix)
         return out
-
-    def head(self, ids: Chunks, n: int) -> list[int]:
-        """The list, with room for HEAD_ROOM more ids (at most ``n``): the turn that takes it
-        appends its new ids (:meth:`finish`) where they fit, instead of having the list
-        reallocated and copied in its request — ~25 µs for a 57 KB prompt's 14k ids when the
-        process's caches are cold (bench/multiturn_latency.py, p50 of the append; the spare
-        room is 8 bytes an id, 32 KiB a head at most). The room is CPython's list
-        allocation, which only the extension can ask for: without it, :meth:`result`."""
-        if _native is not None:
-            room = max(0, min(n, ids.n, HEAD_ROOM))  # the list's length at most (else join refuses it)
-            return _native.join(ids.parts, n, (), (), room)  # type: ignore[no-any-return]
-        return self.result(ids, n)
-
-    def finish(self, head: list[int], ids: list[int], skip: int, suffix: tuple[int, ...] = ()) -> list[int]:
-        head += ids[skip:] if skip else ids
-        if suffix:
-            head.extend(suffix)
-        return head
 
     def compact(self, ids: Chunks) -> Chunks:
         """One list once ids are in more than COMPACT_PARTS parts: a result copies a few

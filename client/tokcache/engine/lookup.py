@@ -37,11 +37,19 @@ from tokcache.engine.affixes import Affixes
 from tokcache.engine.boundaries import BoundaryScanner, Encoded, Scan
 from tokcache.engine.encoder import Encoder
 from tokcache.engine.errors import InvalidRequest, RequestTooLarge
-from tokcache.engine.heads import Heads, Ready
 from tokcache.engine.ids import LISTS, MAX_PARTS, Chunks, IdFormat, Ids, Out, joined, sliced, untrack
 from tokcache.engine.memo import ChainMemo
 from tokcache.store import Kind, Known, RecordRef, StoreError, Walk
-from tokcache.store.keys import KEY_GRID, MODE_EXACT, MODE_KV_STABLE, KeyState, TextKeys, pending_key, segment_key
+from tokcache.store.keys import (
+    KEY_GRID,
+    MODE_EXACT,
+    MODE_KV_STABLE,
+    KeyState,
+    TextKeys,
+    pending_key,
+    root_hasher,
+    segment_key,
+)
 
 __all__ = [
     "CacheView",
@@ -99,7 +107,7 @@ _TAGS = {"exact": MODE_EXACT, "kv-stable": MODE_KV_STABLE}
 # the reasons decided before the call. Counted by the clients (LocalStats.declines).
 _DECLINED = (
     "",
-    "no_base",  # it extends no text this process read: a first turn, another process's conversation
+    "no_base",  # (no longer: a text that extends none this process read is hashed from the start)
     "base_state",  # that text holds no usable key state for its namespace
     "invalid_text",  # a lone surrogate (the Python path reports it)
     "too_large",  # over max_text_bytes (the Python path reports it)
@@ -107,8 +115,10 @@ _DECLINED = (
     "window_keys",  # a key of the probe window that text never made
     "l0",  # the whole text is cached: the Python path reads L0 hits
     "no_window_hit",  # no keyed cut of the window is cached (a miss, or a gallop further back)
-    "chain_not_held",  # the hit's chain is not in this process's memo
+    "chain_not_held",  # (no longer: a chain this process does not hold is read)
     "ar_keys",  # that text never made the AR keys the recorded-output search needs
+    # Decided before (or after) the native call:
+    "chain_broken",  # the hit's chain no longer reads (evicted under the read): the Python path tries below it
 )
 
 
@@ -130,7 +140,9 @@ class CacheView(Protocol):
     def slot(self, key: bytes) -> tuple[int, int] | None: ...
     def holds_ar(self) -> bool: ...
     def marks_live(self, now: float) -> bool: ...
-    def read(self, key: bytes, known: Known | None = None) -> Walk | None: ...
+    def read(self, key: bytes, known: Known | None = None, *, widened: bool = True) -> Walk | None: ...
+    @property
+    def id_bytes(self) -> int: ...
 
 
 class PendingWait:
@@ -319,11 +331,13 @@ class Result(Generic[Ids, Out]):
     ids: Out
     decision: Decision
     write: PendingWrite[Ids] | None = None
-    # The next turn's head, for whoever runs the write path to build (see tokcache.engine.heads).
-    ready: Ready[Ids] | None = None
     # A deferring Lookup's (see Lookup.defer) bookkeeping, for Lookup.settle to turn into
-    # ``write`` and ``ready`` after the reply; None when they are already here.
+    # ``write`` after the reply; None when it is already here.
     later: Later[Ids] | None = None
+    # The text's raw ids (no special tokens added) as this process keeps them, ``n`` of them:
+    # what a record of the output that follows this prompt compares the caller's ids with.
+    full: Ids | None = None
+    n: int = 0
 
 
 @dataclass(slots=True)
@@ -342,37 +356,31 @@ class _Hit(Generic[Ids]):
 @dataclass(slots=True)
 class _Tail(Generic[Out]):
     """Step 2's answer: the tail's ids, the tokens after each piece (None: not computed),
-    spliced AR tokens, and when a head was taken (see tokcache.engine.heads) the caller's
-    container of the ids before ``new``.
+    and the spliced AR tokens.
 
     A tail that reused this process's previous encoding (``prior``, see
     Lookup._canonical_tail) is ``prior.ids[lo:hi] + new``, kept as :class:`Chunks`
     (:meth:`chunks`): the write, the next turn's memo and a caller's list are made from
     its parts. ``canonical``: the plain encoding of its text, to remember (``cut``: where
-    ``new`` starts in the text, or the tail's start). ``raw``: ``new`` holds the encoder's
-    own ints, made the format's (``IdFormat.own``) in :meth:`Lookup.settle`."""
+    ``new`` starts in the text, or the tail's start)."""
 
     ids: list[int] | None
     ends: list[int] | None
     spliced: int
-    head: Out | None = None
     new: list[int] | None = None
     prior: Encoded | None = None
     lo: int = 0
     hi: int = 0
     cut: int = 0
     canonical: bool = False
-    raw: bool = False
     chunked: Chunks | None = None  # (see chunks)
 
     def chunks(self) -> Chunks:
         """The tail's ids as Chunks (made once; its lists untracked, see ``untrack``). A reused
         encoding's are ``prior``'s parts up to ``hi`` and ``new``: no id copied while the
-        conversation's hit stays where ``prior``'s starts (``lo`` 0). It stays at the first
-        stored turn while the later turns' writes are held (sidecar_client._local: HOLD_S),
-        and joining ``prior.ids[:hi] + new`` into one list copied the conversation's ids
-        every turn, and freed the last turn's: ~10% of a client's CPU per request (perf, one
-        process replaying 57 KB chats)."""
+        conversation's hit stays where ``prior``'s starts (``lo`` 0), as it does while its
+        turns' entries are not stored yet (a record stores them with the output): joining
+        ``prior.ids[:hi] + new`` into one list would copy the conversation's ids every turn."""
         ch = self.chunked
         if ch is None:
             if self.ids is not None:
@@ -406,7 +414,7 @@ class _Tail(Generic[Out]):
 class Later(Generic[Ids]):
     """What a read leaves for after its reply (:meth:`Lookup.settle`): filing its scan for
     the next turn (``native_keys`` set: the native fast path's scan, not filed yet), its key
-    state, its canonical encoding, and the write and head it makes. Data, not a closure."""
+    state, its canonical encoding, and the write it makes. Data, not a closure."""
 
     scan: Scan
     keys: TextKeys | None  # None: made from native_keys
@@ -423,11 +431,10 @@ class Lookup(Generic[Ids, Out]):
     """Tokenize through one segment. Thread-safe; one per (model, process)."""
 
     def __init__(self, model: ReadModel, store: CacheView | None, memo: ChainMemo[Ids],
-                 limits: Limits | None = None, heads: Heads[Ids, Out] | None = None, *,
-                 defer: bool = False) -> None:
+                 limits: Limits | None = None, *, defer: bool = False) -> None:
         self.model = model
         # True: a result leaves its bookkeeping (Result.later) for the caller to settle after
-        # the reply; False: settled before returning (Result.write, Result.ready).
+        # the reply; False: settled before returning (Result.write).
         self.defer = defer
         self.store = store
         self.memo: ChainMemo[Ids] = memo
@@ -440,8 +447,6 @@ class Lookup(Generic[Ids, Out]):
         self.limits = limits or Limits()
         # (store, the native fast path's context for it): see _extend.
         self._fast_ctx: tuple[CacheView, tuple[Any, ...]] | None = None
-        # The next turns' heads, built by whoever runs the write path (Result.ready).
-        self.heads: Heads[Ids, Out] = heads if heads is not None else Heads(self.fmt)
 
     # -- the request path ----------------------------------------------------------------
 
@@ -522,7 +527,7 @@ class Lookup(Generic[Ids, Out]):
             decision.cached_tokens = hit.tokens
             decision.cached_chars = n_chars
             decision.cached_bytes = len(data)
-            return Result(self.fmt.result(hit.ids, hit.tokens, prefix, suffix), decision)
+            return Result(self.fmt.result(hit.ids, hit.tokens, prefix, suffix), decision, full=hit.ids, n=hit.tokens)
         # The cluster tier is asked only when nothing recorded applies here: a conversation
         # whose last output was recorded on this node needs nothing from elsewhere.
         ask = tier and store is not None and tag == MODE_KV_STABLE and decision.source != "ar"
@@ -548,40 +553,26 @@ class Lookup(Generic[Ids, Out]):
         decision.encoded_chars = tail_chars
         decision.cached_bytes = hit.start
         decision.encoded_bytes = len(data) - hit.start
-        full: Ids | None = None
-        if tail.head is not None and tail.new is not None and not prefix:
-            # The head holds the ids up to where this turn's encoding starts.
-            out = self.fmt.finish(tail.head, tail.new, 0, suffix)
-        elif (decision.source == "ar" and decision.ar_prefix_hit and hit.parent is not None and not prefix
-              and (head := self.heads.take_key(hit.parent, hit.tokens)) is not None):
-            # The recorded output's chain, copied after it was recorded (Heads.build_key).
-            out = self.fmt.finish(head, tail.flat(), 0, suffix)
-        else:
-            ch = tail.chunks()
-            full = self._full(hit, ch)
-            out = self.fmt.result(full, hit.tokens + ch.n, prefix, suffix)
+        ch = tail.chunks()
+        full = self._full(hit, ch)
+        out = self.fmt.result(full, hit.tokens + ch.n, prefix, suffix)
         later = Later(scan, keys, native_keys, store, ar, hit, tail, decision, full)
+        n = hit.tokens + ch.n
         if self.defer:
-            return Result(out, decision, later=later)
-        write, ready = self.settle(later)
-        return Result(out, decision, write, ready)
+            return Result(out, decision, later=later, full=full, n=n)
+        return Result(out, decision, self.settle(later), full=full, n=n)
 
     def _full(self, hit: _Hit[Ids], tail: Chunks) -> Ids:
         """The whole text's ids: the hit's, then ``tail``'s."""
         more = self.fmt.from_chunks(tail)
         return more if hit.ids is None else self.fmt.grow(hit.ids, hit.tokens, more)
 
-    def settle(self, later: Later[Ids]) -> tuple[PendingWrite[Ids] | None, Ready[Ids] | None]:
+    def settle(self, later: Later[Ids]) -> PendingWrite[Ids] | None:
         """A result's bookkeeping, after its reply: file a fast-path scan for the next turn,
-        remember the tail's canonical encoding, and make the write (None: no store) and the
-        next turn's head (None: none applies). Settle a lookup's results in the order they
-        were returned, each once, before its next request (which extends what they file)."""
+        remember the tail's canonical encoding, and make the write (None: no store). Settle a
+        lookup's results in the order they were returned, each once, before its next request
+        (which extends what they file)."""
         scan, hit, tail = later.scan, later.hit, later.tail
-        if tail.raw:
-            assert tail.new is not None
-            tail.new = self._own(tail.new)
-            tail.raw = False
-            tail.chunked = None  # (none made from the raw list yet: served from a head)
         keys = later.keys
         if keys is None:
             assert later.native_keys is not None
@@ -607,30 +598,24 @@ class Lookup(Generic[Ids, Out]):
             write = PendingWrite(hit.parent, hit.tokens, ids, keys, hit.first_new, len(scan.spans), tail.ends, full,
                                  later.decision, self.model.boundary_id_of,
                                  enc.cut_tokens if enc is not None else None)
-        ready = None
-        if enc is not None and not later.ar and scan.stable:
-            # Nothing recorded applies (see tokcache.engine.heads): the next turn's head is
-            # this text's ids up to its last stable cut.
-            last = scan.spans[scan.stable - 1][1]
-            at = enc.cut_tokens.get(last)
-            if at is not None:
-                ready = Ready(scan, last, full, hit.tokens + at)
         # The text this one extends served this request alone (its key states and encoding are
         # now this text's too), and the next turn extends this one: let it go now, not when that
         # turn supersedes this text (one text and its ids per conversation less in memory).
         scan.base = None
-        return write, ready
+        return write
 
     def _extend(self, text: str, *, add_special_tokens: bool, salt: str, mode: str,
                 tier: bool) -> Result[Ids, Out] | str:
         """The native fast path (``_speedups.extend``) of :meth:`tokenize` for the common case:
-        ``text`` extends one this process tokenized and the L1 hit is a keyed cut in the window
-        whose chain this process holds. When recorded outputs may apply (kv-stable, AR in the
-        segment) the native call also makes the AR keys past that cut and finds the highest
-        live one, whose chain is read here as the Python path reads it; while a pending-record
-        mark may be live (kv-stable), the marks of those keys past the hit are probed here
-        (``Decision.ar_pending``). A string (why not, see _DECLINED): :meth:`tokenize` serves
-        it from the start.
+        no L0 entry, and the L1 hit is a keyed cut in the window. When ``text`` extends one this
+        process tokenized, only the appended part is scanned and hashed; else all of it (a
+        conversation another process served last). When recorded outputs may apply (kv-stable,
+        AR in the segment) the native call also makes the AR keys past that cut and finds the
+        highest live one. The winning chain is read here as the Python path reads it (the
+        native call answers it from this process's memo when it holds it); while a
+        pending-record mark may be live (kv-stable), the marks of those keys past the hit are
+        probed here (``Decision.ar_pending``). A string (why not, see _DECLINED):
+        :meth:`tokenize` serves it from the start.
 
         The same decision as the Python path, by construction (the same keys, probes and
         window) and by test (both run on the same histories).
@@ -663,7 +648,7 @@ class Lookup(Generic[Ids, Out]):
             ns = (salt, tag)
             # The latest texts, then the roots a rewritten history extends (BoundaryScanner.bases).
             bases, latest = self.model.scanner.bases()
-            got = _native.extend(text, bases, ns, ctx[1], store.tail(), now, ar or marked)
+            got = _native.extend(text, bases, ns, ctx[1], store.tail(), now, ar or marked, root_hasher(salt, tag))
             if type(got) is int:
                 return _DECLINED[got]
             (base, data, spans, tail, tail_from, kept_end, stable, keyed, keys_list, state_hasher, state_cut, exact,
@@ -671,8 +656,13 @@ class Lookup(Generic[Ids, Out]):
             # A text that extends a root rather than one of the latest starts a line of its own.
             # (index: the first entry that is ``base``, Scans comparing by identity; one C call
             # where a generator's frame cost a cold request ~3 µs)
-            root = base.line_root if bases.index(base) < latest else None
+            root = None if base is None or bases.index(base) >= latest else base.line_root
             j = keyed[pos]
+            if held is None:  # a chain this process does not hold: read what it lacks
+                found = self._read(store, key)
+                if found is None:
+                    return "chain_broken"
+                held, tokens = found
             hit: _Hit[Ids] = _Hit(held, tokens, spans[j][1], key, j + 1)
             decision = Decision(source="l1", boundaries=len(spans), l1_disabled_reason=self.model.l1_disabled_reason,
                                 l0_hit=False, l1_hit=True, native=True)
@@ -687,13 +677,12 @@ class Lookup(Generic[Ids, Out]):
         except StoreError:
             return "store_error"
         # Filed for the next turn, and its keys made, in settle (after the reply).
-        scan = Scan(data, spans, tail, tail_from, kept_end, len(base.data), text, base=base, stable=stable,
-                    root=root)
+        scan = Scan(data, spans, tail, tail_from, kept_end, len(base.data) if base is not None else 0, text,
+                    base=base, stable=stable, root=root)
         return self._serve(scan, None, store, ar, hit, decision, len(text), add_special_tokens, salt, tag, False,
                            t0, tail_chars, (salt, tag, keyed, keys_list, exact, state_cut, state_hasher, ar_keys))
 
-    def _canonical_tail(self, scan: Scan, keyed: list[int], tail_text: str | None, start: int,
-                        head_at: int | None = None) -> _Tail[Out]:
+    def _canonical_tail(self, scan: Scan, keyed: list[int], tail_text: str | None, start: int) -> _Tail[Out]:
         """The canonical ids of ``tail_text`` (``scan.data[start:]``; None: decoded here if
         needed), reusing what this process encoded for the text ``scan`` extends: its ids
         from ``start`` (a cut within what it encoded) up to its last stable cut — safe
@@ -706,11 +695,6 @@ class Lookup(Generic[Ids, Out]):
         recorded applies), whose ids depend on the text alone. :meth:`_remember` records
         where the keyed cuts and the last stable cut fall in the ids (for the next turn,
         and this turn's write), after the reply.
-
-        ``head_at``: the tokens before ``start``, given when nothing recorded applies to
-        this request; then the head the text ``scan`` extends left (see tokcache.engine.heads)
-        is taken, if any (``_Tail.head``: the caller's container of the ids before the last
-        stable cut, where ``_Tail.new`` starts).
         """
         base = scan.base
         memo = base.encoded if base is not None else None
@@ -718,14 +702,8 @@ class Lookup(Generic[Ids, Out]):
             cut = base.spans[base.stable - 1][1]
             lo, hi = memo.cut_tokens.get(start), memo.cut_tokens.get(cut)
             if start < cut and lo is not None and hi is not None:
-                head = None if head_at is None else self.heads.take(base, cut, head_at + hi - lo)
-                new = self.model.encoder.encode(scan.data[cut:].decode("utf-8"))
-                if head is None:
-                    new = self._own(new)
-                # With a head the caller gets a copy of ``new`` appended to it, and the ints this
-                # process keeps (IdFormat.own: one object per id value) are made after the reply,
-                # where ``new`` joins the memo: ~40 µs of a cold request for a 1-3 KB turn.
-                return _Tail(None, None, 0, head, new, memo, lo, hi, cut, canonical=True, raw=head is not None)
+                new = self._own(self.model.encoder.encode(scan.data[cut:].decode("utf-8")))
+                return _Tail(None, None, 0, new, memo, lo, hi, cut, canonical=True)
         ids = self._own(self.model.encoder.encode(tail_text if tail_text is not None
                                                   else scan.data[start:].decode("utf-8")))
         return _Tail(ids, None, 0, cut=start, canonical=True)
@@ -772,13 +750,13 @@ class Lookup(Generic[Ids, Out]):
         held = self.memo.held_key(slot[0], key)
         if held is not None and held[2] >= slot[1]:
             return held[0], held[1]
-        found = store.read(key, self.memo.known)
+        found = store.read(key, self.memo.known, widened=False)
         if found is None:
             return None
         if found.held is None:
-            ids = self.fmt.from_u32(found.rest)
+            ids = self.fmt.from_stored(found.rest, store.id_bytes)
         elif found.rest:
-            ids = self.fmt.grow(found.held, found.held_tokens, self.fmt.from_u32(found.rest))
+            ids = self.fmt.grow(found.held, found.held_tokens, self.fmt.from_stored(found.rest, store.id_bytes))
         else:
             ids = found.held  # the key's own record is held: nothing to read, nothing to copy
         tokens = found.own.base + found.own.n
@@ -797,16 +775,6 @@ class Lookup(Generic[Ids, Out]):
         except StoreError:
             return None
         return None if found is None else found[0]
-
-    def hold(self, key: bytes) -> bool:
-        """Offer a head of ``key``'s chain (see tokcache.engine.heads): whoever builds heads
-        reads the chain into the memo and copies it, so the request whose prefix AR hit is
-        ``key`` (the turn that continues a recorded output) reads nothing and copies only its
-        tail. False when declined."""
-        store = self.store
-        if store is None:
-            return False
-        return self.heads.offer_key(key, lambda: self._read(store, key))
 
     def _find_hit(self, store: CacheView | None, keys: TextKeys, spans: Sequence[tuple[int, int]], ar: bool,
                   decision: Decision) -> _Hit[Ids]:
@@ -952,7 +920,7 @@ class Lookup(Generic[Ids, Out]):
             # The cuts are safe boundaries, so the tail encodes in one call; where each
             # cut falls is found from the boundary ids on the write path, if ever needed.
             # Nothing recorded applies here (no store is given then): a head may serve.
-            return self._canonical_tail(scan, keyed, tail_text, hit.start, hit.tokens)
+            return self._canonical_tail(scan, keyed, tail_text, hit.start)
         pieces: list[tuple[bytes, bytes]] = []
         a = hit.start
         for s_i, e_i in spans[hit.first_new:]:

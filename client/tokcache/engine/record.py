@@ -1,34 +1,61 @@
-"""AR records: verify a model output before it may enter the cache, and derive its keys.
+"""Recording what a model generated: verify the output, then store prompt + output as one chain.
 
 Verification (nothing unverified is stored; a refusal changes nothing):
 
 * every id is in the vocabulary;
-* ``decode(ids) == output_text`` — after dropping one trailing stop/EOS id
-  that is absent from the text (vLLM keeps EOS in ``token_ids``, not in
-  ``text``);
-* a finish by stop *string* is refused: vLLM truncates the text at the
-  string but not the ids, so the ids run past the text;
-* the prompt ids are what tokcache serves for the prompt text (checked by
-  the engine, which owns the cache).
+* ``decode(ids) == output_text`` — after dropping one trailing stop/EOS id that is absent
+  from the text (vLLM keeps EOS in ``token_ids``, not in ``text``); checked with the
+  tokenizer's byte table where it has one (:mod:`tokcache.engine.tokenbytes`), else with
+  ``tokenizers``' own decode;
+* a finish by stop *string* is refused: vLLM truncates the text at the string but not the
+  ids, so the ids run past the text;
+* the prompt ids are what tokcache serves for the prompt text: the ids a read in this
+  process just served for it (:class:`Served`, compared in C), or what the segment holds
+  for it, or what a lookup serves for it now, or failing all those its canonical encoding.
 
-Keys: the *prefix* entry (prompt text + output text → prompt ids + output
-ids) and *segment* entries (output text alone → output ids), for the whole
-output and for variants templates produce when they re-render history: the
-content after ``</think>`` and whitespace-trimmed forms — each only where its
-start and end fall on token boundaries of the generated ids.
+What is stored. The prompt's entries and the output go into the segment as one chain: when
+the read that served the prompt left its entries unstored (its :class:`PendingWrite`), one
+record holds the prompt's new ids and the output's, keyed at the prompt's cuts (L1), its
+end (L0) and the output's end (the *prefix* AR entry, prompt text + output text -> prompt
+ids + output ids); else one record of the output's ids continues the prompt's stored
+chain. *Segment* entries (output text alone -> output ids, for the whole output and the
+variants templates produce when they re-render history: the content after ``</think>``,
+whitespace-trimmed forms) are records of their own, each keyed only where its start and
+end fall on token boundaries of the generated ids; they carry ``F_SEGMENT`` so whoever
+feeds the cluster tier finds them by following the log.
+
+:class:`Recorder` runs in whichever process has the output and a writable mapping: vLLM's
+API server (through the client library) or the sidecar (``RecordOutput``): one writer.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import json
+import threading
+from array import array
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Generic
 
-from tokcache.engine.errors import InvalidRequest
-from tokcache.sidecar.engine.tokenbytes import TokenBytes
+from tokcache import native
+from tokcache.engine.errors import InvalidRequest, RequestTooLarge
+from tokcache.engine.ids import LISTS, Chunks, IdFormat, Ids, Out
+from tokcache.engine.lookup import Lookup, PendingWrite, ReadModel, utf8
+from tokcache.engine.memo import ChainMemo
+from tokcache.engine.tokenbytes import TokenBytes
+from tokcache.ids import le_bytes, pack_ids, unpack_ids
+from tokcache.store import F_SEGMENT, Kind, RecordRef, Store, StoreError
+from tokcache.store.keys import MODE_KV_STABLE, l0_key, output_key, segment_key
 
-__all__ = ["Segment", "VerifiedOutput", "segment_variants", "verify_output", "verify_segment"]
+__all__ = ["OutputChecks", "RecordResult", "Recorder", "Segment", "Served", "VerifiedOutput", "segment_variants",
+           "verify_output", "verify_segment"]
+
+_native: Any = native.engine()
 
 THINK_END = "</think>"
+# Segment AR: a recorded output's pieces shorter than this are not keyed on their own.
+MIN_SEGMENT_BYTES = 4
 
 
 @dataclass(frozen=True)
@@ -48,9 +75,48 @@ class Segment:
     end: int
 
 
-def verify_output(*, output_text: str, output_ids: list[int], finish_reason: str,
-                  stop_token_id: int | None, stop_string: str | None, vocab_size: int,
-                  special_ids: frozenset[int], decode: Callable[[list[int]], str]) -> VerifiedOutput:
+class OutputChecks:
+    """What checking an output needs of its tokenizer: the vocabulary size, the ids a server
+    may leave out of the text at the end (the special added tokens: EOS and friends), the
+    byte table, and ``tokenizers``' decode (loaded on first need: the byte table decides
+    every output of a byte-level BPE tokenizer). Thread-safe."""
+
+    def __init__(self, tokenizer_json: Path, vocab_size: int, *, reference: Any = None) -> None:  # noqa: ANN401
+        self.vocab_size = vocab_size
+        self.path = tokenizer_json
+        data = json.loads(tokenizer_json.read_text(encoding="utf-8"))
+        self.special_ids = frozenset(int(t["id"]) for t in data.get("added_tokens") or [] if t.get("special"))
+        self.token_bytes = TokenBytes.from_tokenizer_json(tokenizer_json)
+        self._reference = reference  # a tokenizers.Tokenizer
+        self._lock = threading.Lock()  # guards the reference's loading
+
+    def decode(self, ids: list[int]) -> str:
+        """``tokenizers``' ``decode(ids, skip_special_tokens=False)``."""
+        ref = self._reference
+        if ref is None:
+            with self._lock:
+                if self._reference is None:
+                    import tokenizers
+
+                    self._reference = tokenizers.Tokenizer.from_file(str(self.path))
+                ref = self._reference
+        return str(ref.decode(ids, skip_special_tokens=False))
+
+    def decodes_to(self, ids: list[int], text: str, data: bytes | None = None) -> bool:
+        """Whether ``decode(ids) == text`` (``data``: its UTF-8, when the caller has it)."""
+        table = self.token_bytes
+        if table is not None:
+            got = table.decodes_to(ids, data if data is not None else text.encode("utf-8", "surrogatepass"))
+            if got is not None:
+                return got
+        try:
+            return self.decode(ids) == text
+        except (ValueError, OverflowError, TypeError):
+            return False
+
+
+def verify_output(*, output_text: str, output_ids: list[int], finish_reason: str, stop_token_id: int | None,
+                  stop_string: str | None, checks: OutputChecks) -> VerifiedOutput:
     """Check an output as described in the module docstring; InvalidRequest names the reason."""
     if stop_string is not None:
         # Named as the client's parameter (record_output(stop_reason="...")); the
@@ -59,14 +125,15 @@ def verify_output(*, output_text: str, output_ids: list[int], finish_reason: str
                                             "vLLM cuts the text at the string but not the ids")
     if not output_ids:
         raise InvalidRequest("output_token_ids", "empty")
-    bad = next((i for i in output_ids if i >= vocab_size), None)
-    if bad is not None:
-        raise InvalidRequest("output_token_ids", f"id {bad} is outside the vocabulary (size {vocab_size})")
-    if decode(output_ids) == output_text:
+    top = max(output_ids)
+    if top >= checks.vocab_size:
+        raise InvalidRequest("output_token_ids", f"id {top} is outside the vocabulary (size {checks.vocab_size})")
+    data = output_text.encode("utf-8", "surrogatepass")
+    if checks.decodes_to(output_ids, output_text, data):
         return VerifiedOutput(list(output_ids), False)
     last = output_ids[-1]
-    droppable = last == stop_token_id or last in special_ids
-    if finish_reason in ("stop", "") and droppable and decode(output_ids[:-1]) == output_text:
+    droppable = last == stop_token_id or last in checks.special_ids
+    if finish_reason in ("stop", "") and droppable and checks.decodes_to(output_ids[:-1], output_text, data):
         return VerifiedOutput(list(output_ids[:-1]), True)
     raise InvalidRequest("output_token_ids", "decode(output_token_ids) does not equal output_text")
 
@@ -84,7 +151,7 @@ def verify_segment(text: bytes, ids: list[int], *, vocab_size: int, decode: Call
 
 
 def segment_variants(output_text: str, ids: list[int], token_bytes: TokenBytes | None,
-                     boundary_spans: list[tuple[int, int]] = ()) -> list[Segment]:  # type: ignore[assignment]
+                     boundary_spans: Sequence[tuple[int, int]] = ()) -> list[Segment]:
     """The segment keys of a verified output.
 
     The output is cut at its own boundary tokens (``<think>``, ``</think>``,
@@ -126,3 +193,243 @@ def segment_variants(output_text: str, ids: list[int], token_bytes: TokenBytes |
         if a in index and b in index and index[a] < index[b]:
             out.append(Segment(data[a:b].decode("utf-8"), index[a], index[b]))
     return out
+
+
+@dataclass(frozen=True)
+class RecordResult:
+    """What :meth:`Recorder.record` stored."""
+
+    recorded_tokens: int
+    stop_token_dropped: bool
+    entries: int
+    # How the prompt ids were matched: "served" (a read of this process served them), "stored"
+    # (the segment holds them), "looked_up" (a lookup serves them now), "canonical".
+    prompt: str = ""
+    # The record's first id past the prompt (its chain's tokens before the output).
+    prompt_tokens: int = 0
+
+
+@dataclass
+class Served(Generic[Ids, Out]):
+    """A prompt a read served in this process, kept for the record of its output.
+
+    ``ids``: the container the caller got (affixes included); ``full``: the prompt's raw ids
+    (no affixes) as this process keeps them, ``n`` of them; ``write``: its entries when the
+    read left them unstored for the record (None: stored, or nothing to store).
+    """
+
+    text: str
+    salt: str
+    mode: str
+    add_special_tokens: bool
+    ids: Out
+    full: Ids
+    n: int
+    write: PendingWrite[Ids] | None
+    prefix: tuple[int, ...] = ()
+    suffix: tuple[int, ...] = ()
+
+    def matches(self, ids: Sequence[int] | bytes, fmt: IdFormat[Ids, Out]) -> bool:
+        """Whether ``ids`` (a caller's prompt ids) are the ones served: compared with what this
+        process keeps, not with the caller's container (which the caller may have changed)."""
+        if isinstance(ids, list) and isinstance(self.full, Chunks) and _native is not None:
+            return bool(_native.equal_ids(ids, self.prefix, self.full.parts, self.n, self.suffix))
+        want = fmt.result(self.full, self.n, self.prefix, self.suffix)
+        if isinstance(ids, bytes):
+            return ids == (want if isinstance(want, bytes) else pack_ids(want))
+        return list(ids) == (unpack_ids(want) if isinstance(want, bytes) else want)
+
+
+Serve = Callable[[str, str], "tuple[Out, PendingWrite[Ids] | None]"]
+"""serve(prompt_text, salt): what a kv-stable read serves for a prompt (no special tokens) and
+the entries it learned, not stored (None: nothing to store)."""
+
+StoreFailed = Callable[[StoreError, str], None]
+"""store_failed(error, consequence): a write failed (logged and counted by the caller)."""
+
+
+class Recorder(Generic[Ids, Out]):
+    """Verifies and stores recorded outputs into one segment (see the module docstring).
+
+    ``lookup`` reads what the segment holds for a prompt and keeps the memo (the record's
+    chain is remembered there, so the turn that continues it reads nothing); ``serve``
+    serves prompts this process did not read; ``store`` is the segment, writable.
+    Thread-safe (the store serialises writers).
+    """
+
+    def __init__(self, model: ReadModel, checks: OutputChecks, lookup: Lookup[Ids, Out], serve: Serve[Out, Ids],
+                 store: Store, *, max_text_bytes: int, store_failed: StoreFailed | None = None,
+                 lock_timeout: float | None = None) -> None:
+        self.model = model
+        self.checks = checks
+        self.lookup = lookup
+        self.serve = serve
+        self.store = store
+        self.memo: ChainMemo[Ids] = lookup.memo
+        self.fmt: IdFormat[Ids, Out] = lookup.memo.fmt
+        self.max_text_bytes = max_text_bytes
+        self._store_failed = store_failed
+        # How long a record's writes wait for the writer lock (None: the store's default).
+        self.lock_timeout = lock_timeout
+
+    def record(self, *, prompt_text: str, prompt_ids: Sequence[int] | bytes, output_text: str,
+               output_ids: list[int], finish_reason: str = "stop", stop_token_id: int | None = None,
+               stop_string: str | None = None, salt: str = "", prompt_add_special_tokens: bool = False,
+               served: Served[Ids, Out] | None = None) -> RecordResult:
+        """Verify a finished generation and store its chain (kv-stable namespace).
+
+        ``prompt_ids``: a list, or packed little-endian uint32. ``served``: what a read of this
+        process served for ``prompt_text`` (its entries go into the record's chain when it left
+        them unstored). Raises InvalidRequest (nothing stored) when the output ids do not decode
+        to the text, an id is out of the vocabulary, the finish was a stop string, or the
+        prompt ids are not what tokcache serves for ``prompt_text`` nor its canonical
+        tokenization; RequestTooLarge for texts over the limit. A store that takes nothing
+        (full of a bigger record, its lock stuck) is reported as 0 entries, not raised: the
+        caller's request already succeeded.
+        """
+        for field_name, text in (("prompt_text", prompt_text), ("output_text", output_text)):
+            if len(text) > self.max_text_bytes:  # chars <= bytes: a cheap first test
+                raise RequestTooLarge(field_name, self.max_text_bytes)
+        verified = verify_output(output_text=output_text, output_ids=output_ids, finish_reason=finish_reason,
+                                 stop_token_id=stop_token_id, stop_string=stop_string, checks=self.checks)
+        affixes = self.model.affixes
+        if prompt_add_special_tokens and affixes.suffix:
+            raise InvalidRequest("prompt_add_special_tokens",
+                                 "this tokenizer appends special tokens to prompts; outputs cannot follow them")
+        data = utf8(prompt_text, "prompt_text")
+        ar_key = output_key(data, output_text, salt=salt)
+        out = verified.ids
+        n_out = len(out)
+        if (served is not None and served.salt == salt and served.mode == "kv-stable"
+                and served.add_special_tokens == prompt_add_special_tokens
+                and (served.text is prompt_text or served.text == prompt_text)
+                and served.matches(prompt_ids, self.fmt)):
+            ref, entries, base = self._after_served(served, data, salt, out, ar_key)
+            how = "served"
+        else:
+            ref, entries, base, how = self._after_prompt(prompt_text, data, prompt_ids, salt, out, ar_key,
+                                                         prompt_add_special_tokens)
+        entries += self._segments(output_text, out, salt)
+        return RecordResult(recorded_tokens=n_out if entries else 0, stop_token_dropped=verified.stop_token_dropped,
+                            entries=entries, prompt=how, prompt_tokens=base if ref is not None else 0)
+
+    # -- the prompt + output chain -------------------------------------------------------
+
+    def _after_served(self, served: Served[Ids, Out], data: bytes, salt: str, out: list[int],
+                      ar_key: bytes) -> tuple[RecordRef | None, int, int]:
+        """Store the output after a prompt a read of this process served: (record, entries
+        stored, prompt tokens)."""
+        write = served.write
+        if write is not None and write.decision.stored is None:
+            # The read left the prompt's entries for this record: one record holds both.
+            more = self.fmt.from_list(out)
+            tail = write.ids
+            entries: list[tuple[bytes, int] | tuple[bytes, int, Kind]] = list(write.entries())
+            entries.append((ar_key, tail.n + len(out), Kind.AR))
+            packed = LISTS.to_u32(tail, tail.n) + pack_ids(out)
+            ref = self._put(write.parent, write.parent_tokens, packed, entries, Kind.L1)
+            if ref is not None:
+                write.decision.stored = True
+                shift = ref.n - tail.n - len(out)  # > 0 when the store inlined the parent's ids
+                self._remember(ref, served.full, served.n, more, {e[0]: e[1] + shift for e in entries})
+                return ref, len(entries), served.n
+        return self._after_stored(served.full, served.n, data, salt, out, ar_key)
+
+    def _after_stored(self, full: Ids, n: int, data: bytes, salt: str, out: list[int],
+                      ar_key: bytes) -> tuple[RecordRef | None, int, int]:
+        """Store the output after a prompt whose ids are ``full[:n]``, chained to its L0 entry
+        when the segment holds it, else with the prompt's ids inline (its parent is gone)."""
+        more = self.fmt.from_list(out)
+        packed = pack_ids(out)
+        ref = self._put(l0_key(data, salt=salt, mode="kv-stable"), n, packed, [(ar_key, len(out), Kind.AR)], Kind.AR)
+        if ref is None:
+            ref = self._put(None, 0, self.fmt.to_u32(full, n) + packed, [(ar_key, n + len(out), Kind.AR)], Kind.AR)
+        if ref is None:
+            return None, 0, n
+        self._remember(ref, full, n, more, {ar_key: ref.n})
+        return ref, 1, n
+
+    def _after_prompt(self, prompt_text: str, data: bytes, prompt_ids: Sequence[int] | bytes, salt: str,
+                      out: list[int], ar_key: bytes, add_special_tokens: bool) -> tuple[RecordRef | None, int, int, str]:
+        """The prompt was not served here (or not as given): match its ids against what the
+        segment holds, what a lookup serves, or its canonical encoding, then store."""
+        packed = prompt_ids if isinstance(prompt_ids, bytes) else _pack_prompt(prompt_ids)
+        if len(packed) % 4:
+            raise InvalidRequest("prompt_token_ids", "length is not a multiple of 4 (little-endian uint32 ids)")
+        affix_pre = pack_ids(self.model.affixes.prefix) if add_special_tokens else b""
+        if packed[:len(affix_pre)] != affix_pre:
+            raise InvalidRequest("prompt_token_ids", "does not start with the tokenizer's BOS tokens")
+        raw = packed[len(affix_pre):]
+        n = len(raw) // 4
+        # Usually stored already (an RPC reader stores its reads after the reply): equal ids then
+        # need neither a scan of the prompt nor a lookup.
+        stored = self.lookup.stored_exact(l0_key(data, salt=salt, mode="kv-stable"))
+        if stored is not None and self.fmt.to_u32(stored, self.fmt.count(stored)) == raw:
+            ref, entries, base = self._after_stored(stored, n, data, salt, out, ar_key)
+            return ref, entries, base, "stored"
+        ids, write = self.serve(prompt_text, salt)
+        if (ids if isinstance(ids, bytes) else pack_ids(ids)) == raw:
+            full = write.full if write is not None else self.fmt.from_u32(raw)
+            if write is not None:
+                served: Served[Ids, Out] = Served(prompt_text, salt, "kv-stable", False, ids, full, n, write)
+                ref, entries, base = self._after_served(served, data, salt, out, ar_key)
+            else:
+                ref, entries, base = self._after_stored(full, n, data, salt, out, ar_key)
+            return ref, entries, base, "looked_up"
+        raw_ids = unpack_ids(raw)
+        if raw_ids and max(raw_ids) >= self.model.vocab_size:
+            raise InvalidRequest("prompt_token_ids", f"id {max(raw_ids)} is outside the vocabulary "
+                                                     f"(size {self.model.vocab_size})")
+        if raw_ids != self.model.encoder.encode(prompt_text):
+            raise InvalidRequest("prompt_token_ids", "not what tokcache serves for prompt_text, "
+                                                     "nor its canonical tokenization")
+        # Canonical ids that tokcache does not serve for this text (another process's AR
+        # applies to it): the record stands alone, the prompt's ids inline.
+        ref = self._put(None, 0, raw + pack_ids(out), [(ar_key, n + len(out), Kind.AR)], Kind.AR)
+        return ref, 1 if ref is not None else 0, n, "canonical"
+
+    def _remember(self, ref: RecordRef, full: Ids, n: int, more: Ids, keys: dict[bytes, int]) -> None:
+        """The record's chain in this process's memo: the turn that continues it reads nothing."""
+        self.memo.put(ref, self.fmt.compact(self.fmt.grow(full, n, more)), keys)
+
+    # -- segment entries -----------------------------------------------------------------
+
+    def _segments(self, output_text: str, out: list[int], salt: str) -> int:
+        """Store the output's segment entries, one record per distinct start token; how many
+        keys were stored."""
+        by_start: dict[int, list[tuple[bytes, int]]] = {}
+        out_data = output_text.encode("utf-8")
+        for seg in segment_variants(output_text, out, self.checks.token_bytes, self.model.scanner.spans(out_data)):
+            if len(seg.text) < MIN_SEGMENT_BYTES and seg.text != output_text:
+                continue  # a tiny fragment ("\n") would splice into unrelated text
+            key = segment_key(salt, MODE_KV_STABLE, seg.text.encode("utf-8"))
+            by_start.setdefault(seg.start, []).append((key, seg.end - seg.start))
+        stored = 0
+        for seg_start, keys in by_start.items():
+            longest = max(n for _, n in keys)
+            packed = le_bytes(array("I", out[seg_start:seg_start + longest]))
+            if self._put(None, 0, packed, keys, Kind.AR, flags=F_SEGMENT) is not None:
+                stored += len(keys)
+        return stored
+
+    def _put(self, parent: bytes | None, parent_tokens: int, ids: bytes,
+             entries: Sequence[tuple[bytes, int] | tuple[bytes, int, Kind]], kind: Kind,
+             flags: int = 0) -> RecordRef | None:
+        """``Store.put``; None when the store refused or failed (recording is best effort:
+        a failing store costs the entries, never the caller's request; ``store_failed`` hears
+        of a failure)."""
+        try:
+            return self.store.put(parent, parent_tokens, ids, entries, kind, flags=flags,
+                                  lock_timeout=self.lock_timeout)
+        except StoreError as exc:
+            if self._store_failed is not None:
+                self._store_failed(exc, "output not recorded")
+            return None
+
+
+def _pack_prompt(ids: Sequence[int]) -> bytes:
+    """Prompt ids as packed LE uint32; InvalidRequest for an id that is not one."""
+    try:
+        return pack_ids(ids)
+    except (OverflowError, TypeError, ValueError) as exc:
+        raise InvalidRequest("prompt_token_ids", f"expected ints in [0, 2**32): {exc}") from None

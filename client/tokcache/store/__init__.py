@@ -27,7 +27,7 @@ Readers that must never write (a co-located client, ``tokcache-sidecar stats``):
 from __future__ import annotations
 
 from ._direct import DirectLookup, l0_key
-from ._layout import id_bytes_for
+from ._layout import F_SEGMENT, id_bytes_for
 from ._log import Known, RecordRef, Walk
 from ._names import segment_name
 from ._reader import StoreReader, read_stats
@@ -38,6 +38,7 @@ from .errors import LockTimeout, SegmentError, SegmentFull, SegmentMismatch, Sto
 
 __all__ = [
     "EVICTION_CAUSES",
+    "F_SEGMENT",
     "DirectLookup",
     "Kind",
     "Known",

@@ -38,4 +38,8 @@ typedef struct {
 /* (tokcache.store._speedups only) Add ``Hasher`` and the capsule to module ``m``: 0, or -1 with an exception. */
 int tk_hasher_add(PyObject *m);
 
+/* (tokcache.store._speedups only) A record's check: the first 16 bytes of the digest of
+ * ``data[:n]`` (_layout.check_of). */
+void tk_record_check(const void *data, size_t n, uint8_t out[16]);
+
 #endif

@@ -183,6 +183,9 @@ RECORD_ALIGN: Final = 8
 MIN_RECORD: Final = (RECORD_SIZE + ENTRY_SIZE + RECORD_ALIGN - 1) & ~(RECORD_ALIGN - 1)
 F_HAS_PARENT: Final = 1
 F_CONSOLIDATED: Final = 2
+# A recorded output's segment entries (tokcache.engine.record): what the cluster tier shares,
+# found by following the log (Store.follow). Nothing else about the record differs.
+F_SEGMENT: Final = 4
 U32: Final = struct.Struct("<I")
 U32_MAX: Final = 0xFFFFFFFF
 MAX_ENTRIES: Final = 0xFFFF

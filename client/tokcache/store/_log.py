@@ -75,6 +75,7 @@ from ._layout import (
     W_SOFT_CAP,
     W_TAIL,
     check_of,
+    widen,
 )
 from ._segment import reserve
 from .errors import SegmentError
@@ -210,6 +211,17 @@ class Log:
         ids after it in ``rest``. Eviction is decided exactly as by a full walk (the chain's
         floor and tail), so a hit or a miss never depends on what a process holds.
         """
+        if _native is not None:  # the same walk in C (this method's Python is the reference)
+            got = _native.walk(self._fd, self._off, self.size, self.id_bytes, self._mm, key, lsn_kind, known,
+                               MAX_CHAIN)
+            if type(got) is int:
+                return got  # type: ignore[no-any-return]
+            rest, oldest, depth, key_expiry, chain_expiry, own, held, held_tokens = got
+            return Walk(rest, oldest, depth, key_expiry, chain_expiry, RecordRef(*own), held, held_tokens)
+        return self._walk_known(key, lsn_kind, known)
+
+    def _walk_known(self, key: bytes, lsn_kind: int, known: Known | None) -> Walk | int:
+        """:meth:`walk_known` without the extension (the reference)."""
         width = self.id_bytes
         arena_size = self.size
         arena_off = self._off
@@ -323,6 +335,55 @@ class Log:
             data = b"".join(parts)
         assert own is not None
         return Walk(data, cur, depth, key_expiry, chain_expiry, own, held, held_tokens)
+
+    def follow(self, cursor: int, flag: int, limit: int) -> tuple[int, list[tuple[bytes, bytes]]]:
+        """The entries of the records carrying ``flag`` from LSN ``cursor`` on, at most ``limit``
+        records looked at: (where to continue, [(key, its ids as packed LE u32)]). Lock-free.
+
+        Follows the log as it is written: whoever appends, in whatever process, the follower
+        sees every record once (a cursor below tail starts again at tail: what was evicted
+        before it was read is missed, counted by nobody, as a full queue would drop it). Each
+        record is copied and verified as a chain walk verifies it; one that fails is skipped.
+        """
+        words = self._words
+        arena_size = self.size
+        head = words[W_HEAD]
+        at = max(cursor, words[W_TAIL])
+        out: list[tuple[bytes, bytes]] = []
+        width = self.id_bytes
+        for _ in range(limit):
+            if at >= head:
+                break
+            pos = at % arena_size
+            room = arena_size - pos
+            if room < RECORD_SIZE:  # too short for any record: the writer padded here
+                at += room
+                continue
+            magic, size = MAGIC_SIZE.unpack(self._read(self._off + pos + RECORD_MAGIC_OFF, MAGIC_SIZE.size))
+            if magic == PAD_MAGIC and size == room:
+                at += size
+                continue
+            if magic != RECORD_MAGIC or not MIN_RECORD <= size <= room or size & 7 or at + size > head:
+                # Not a record boundary: overwritten under the follower (it fell behind tail),
+                # or corrupt. Resync at tail, or at the next lap, which starts with a record.
+                tail = words[W_TAIL]
+                at = tail if at < tail else at + room
+                continue
+            rec = self._read(self._off + pos, size)
+            fields = RECORD.unpack_from(rec)
+            if fields[3] == at and rec.startswith(check_of(memoryview(rec)[CHECK_SIZE:])) and fields[11] & flag:
+                n_ids, n_entries = fields[8], fields[9]
+                ids_off = RECORD_SIZE + ENTRY_SIZE * n_entries
+                if ids_off + width * n_ids <= size:
+                    ids = widen(rec[ids_off:ids_off + width * n_ids], width)
+                    for e in range(n_entries):
+                        key, n, _expiry, _kind = ENTRY.unpack_from(rec, RECORD_SIZE + ENTRY_SIZE * e)
+                        if n <= n_ids:
+                            out.append((key, ids[:4 * n]))
+            at += size
+        # A record copied after tail passed it may be torn: its check failed and it was
+        # skipped, or it verified and is whole.
+        return at, out
 
     def check_at(self, lsn: int) -> bytes:
         """The check prefix (LINK_CHECK_SIZE bytes) of the record at ``lsn`` (just written)."""

@@ -88,7 +88,7 @@ class StoreReader:
         """Map the segment called ``name`` ("/prefix-fingerprint") read-only, any fingerprint."""
         return cls(attach_readonly(name), clock or time.time)
 
-    def read(self, key: bytes, known: Known | None = None) -> Walk | None:
+    def read(self, key: bytes, known: Known | None = None, *, widened: bool = True) -> Walk | None:
         """:meth:`Store.read` without writing anything (no counters, no LRU stamp, no copy)."""
         if self._closed:
             raise StoreClosed(f"{self.name} is closed")
@@ -104,7 +104,7 @@ class StoreReader:
         found = self._log.walk_known(key, lsn_kind, known)
         if isinstance(found, int) or (found.key_expiry and now >= found.key_expiry):
             return None
-        return found._replace(rest=widen(found.rest, self.id_bytes))
+        return found._replace(rest=widen(found.rest, self.id_bytes)) if widened else found
 
     def slot(self, key: bytes) -> tuple[int, int] | None:
         """(record LSN, tail) of ``key``'s live, unexpired slot, or None (see ``Store.slot``)."""

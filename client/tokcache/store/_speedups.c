@@ -22,6 +22,7 @@
 
 #include "_hasher.h"
 #include "_index.h"
+#include "_walk.h"
 
 #define KEY_SIZE TK_KEY_SIZE
 #define BUCKET_SLOTS TK_BUCKET_SLOTS
@@ -434,6 +435,8 @@ PyMODINIT_FUNC PyInit__speedups(void) {
         return NULL;
     }
     PyObject *m = PyModule_Create(&module);
-    if (m && (PyModule_AddIntConstant(m, "API", 5) < 0 || tk_hasher_add(m) < 0)) Py_CLEAR(m);
+    if (m && (PyModule_AddFunctions(m, tk_walk_methods) < 0 || PyModule_AddIntConstant(m, "API", 6) < 0 ||
+              tk_hasher_add(m) < 0))
+        Py_CLEAR(m);
     return m;
 }

@@ -36,6 +36,7 @@ from . import _layout
 from ._index import Index
 from ._layout import (
     F_CONSOLIDATED,
+    F_SEGMENT,
     HEADER_SIZE,
     KEY_SIZE,
     LSN_BITS,
@@ -329,6 +330,20 @@ class Store:
         finally:
             self._lock.release()
 
+    def head(self) -> int:
+        """The log's head (the LSN the next record is written at): where following it starts."""
+        if self._mm is None:
+            raise StoreClosed(f"{self.name} is closed")
+        return int(self._words[W_HEAD])
+
+    def follow(self, cursor: int, *, flag: int = F_SEGMENT, limit: int = 4096) -> tuple[int, list[tuple[bytes, bytes]]]:
+        """Entries of the records put with ``flag`` since LSN ``cursor`` (0: the oldest live), at
+        most ``limit`` records looked at per call: (the cursor to pass next, [(key, ids as
+        packed LE uint32)]). Lock-free; see ``Log.follow``."""
+        if self._mm is None:
+            raise StoreClosed(f"{self.name} is closed")
+        return self._log.follow(cursor, flag, limit)
+
     def version(self, key: bytes) -> int | None:
         """An opaque token that changes whenever ``key``'s mapping does, or None if absent.
 
@@ -338,13 +353,14 @@ class Store:
         """
         return self._live_slot(key)
 
-    def read(self, key: bytes, known: Known | None = None) -> Walk | None:
+    def read(self, key: bytes, known: Known | None = None, *, widened: bool = True) -> Walk | None:
         """:meth:`get` for a reader that may already hold part of the chain.
 
         Decides hit or miss exactly like :meth:`get` (same slot, expiry, floor and tail
         checks), but stops walking at the first record ``known`` names (see
         ``Log.walk_known``); ``Walk.rest`` holds the ids after it as packed LE uint32.
         Counts and touches like :meth:`get`; a hit in danger of eviction is copied forward.
+        ``widened`` False: ``Walk.rest`` as stored (``id_bytes`` per id), not packed u32.
         """
         if self._mm is None:
             raise StoreClosed(f"{self.name} is closed")
@@ -380,7 +396,7 @@ class Store:
             whole = self._log.walk(key, lsn_kind) if found.held is not None else None
             if whole is None or not isinstance(whole, int):
                 self._consolidate(key, lsn_kind, found.rest if whole is None else whole[0], found.key_expiry)
-        return found._replace(rest=widen(found.rest, self.id_bytes))
+        return found._replace(rest=widen(found.rest, self.id_bytes)) if widened else found
 
     def get(self, key: bytes) -> bytes | None:
         """The ids stored for ``key``: the parent chain's ids then this entry's ids.
@@ -445,6 +461,7 @@ class Store:
         kind: Kind,
         *,
         lock_timeout: float | None = None,
+        flags: int = 0,
     ) -> RecordRef | None:
         """Append one record of ``ids`` (packed LE uint32) continuing ``parent``'s prefix.
 
@@ -465,7 +482,7 @@ class Store:
         the writer lock; raises LockTimeout when a live writer keeps it longer than
         ``lock_timeout`` (default: the store's), SegmentFull (nothing stored) when the tmpfs cannot allocate the
         pages the record goes to even after evicting to give some back, ValueError for bad
-        arguments.
+        arguments. ``flags``: F_SEGMENT or 0 (the log's own flags are set here).
         """
         if self._mm is None:
             raise StoreClosed(f"{self.name} is closed")
@@ -495,6 +512,8 @@ class Store:
             raise ValueError("entries must not be empty")
         if len(mapping) > MAX_ENTRIES:
             raise ValueError(f"at most {MAX_ENTRIES} entries per record")
+        if flags & ~F_SEGMENT:
+            raise ValueError(f"flags must be F_SEGMENT or 0, got {flags}")
         stored = narrow(ids, width)  # before the lock: the conversion is O(n)
         if stored is None:
             return None
@@ -539,7 +558,7 @@ class Store:
             if kind == Kind.AR or Kind.AR in expiry_of:
                 # Before the keys appear: a reader that sees an AR key also sees this.
                 self._words[W_AR_PUTS] += 1
-            ref = self._append(head, tail, size, link, stored, items, kind, record_expiry, 0, now, cap)
+            ref = self._append(head, tail, size, link, stored, items, kind, record_expiry, flags, now, cap)
             self._words[W_PUTS] += 1
             return ref
         finally:
