@@ -17,7 +17,7 @@ __all__ = ["ENGINE_API", "STORE_API", "engine", "load", "store"]
 # The version of tokcache.engine._speedups' functions this code calls (its ``API``).
 ENGINE_API = 15
 # The same for tokcache.store._speedups.
-STORE_API = 5
+STORE_API = 6
 
 
 def load(module: str, api: int) -> Any:  # noqa: ANN401 - the extension module, or None

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import bisect
 import gc
+import hashlib
 import random
 import time
 import uuid
@@ -24,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from blake3 import blake3
 
 from tokcache.engine import ids as ids_mod
 from tokcache.engine import lookup as lookup_mod
@@ -494,9 +494,8 @@ def test_the_native_path_marks_the_chain_it_serves_as_used(engine: ModelEngine, 
 def test_a_key_state_of_another_hasher_type_is_the_python_paths(engine: ModelEngine, own_model: ReadModel,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """The native key pass works on tokcache.store._speedups.Hasher states in place; a state
-    whose hasher is anything else (the ``blake3`` package's, as a build without the store
-    extension makes) is never read as one: ``extend`` says None and the Python path serves the
-    same ids from the same keys."""
+    whose hasher is anything else (hashlib's, as a pure-Python process makes) is never read
+    as one: ``extend`` says None and the Python path serves the same ids from the same keys."""
     counting = _Counting(lookup_mod._native)
     monkeypatch.setattr(lookup_mod, "_native", counting)
     with _segment(engine) as (store, reader):
@@ -514,9 +513,9 @@ def test_a_key_state_of_another_hasher_type_is_the_python_paths(engine: ModelEng
             for ns, state in list(base.hashers.items()):
                 if state.hasher is None:
                     continue
-                # The same state, made by the package: the namespace header, then the text to the cut.
-                same = blake3(b"tokcache/v1\x00" + namespace(*ns) + base.data[:base.spans[state.cut][1]])
-                assert same.digest(16) == state.hasher.digest(16)
+                # The same state, made by hashlib: the namespace header, then the text to the cut.
+                same = hashlib.sha256(b"tokcache/v1\x00" + namespace(*ns) + base.data[:base.spans[state.cut][1]])
+                assert same.digest() == state.hasher.digest()
                 base.hashers[ns] = state._replace(hasher=same)
                 swapped += 1
         assert swapped

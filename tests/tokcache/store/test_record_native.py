@@ -1,5 +1,5 @@
 """A record written in place by C (``_speedups.write_record``) is byte for byte the record
-``_log.write_record``'s Python (the reference) makes: header, entries, ids, padding and blake3 check."""
+``_log.write_record``'s Python (the reference) makes: header, entries, ids, padding and SHA-256 check."""
 
 from __future__ import annotations
 
