@@ -21,7 +21,7 @@ EXTRA_VENVS := $(foreach v,$(EXTRA_PYTHONS),$(call venv_of,$(v)))
 .PHONY: demo test unit unit-pythons e2e bench proto lint clean redis-server build-deps
 
 # The C extensions are built by the editable install: a change to them reinstalls (else an
-# updated checkout would run an old build; the loader then falls back to pure Python, loudly).
+# updated checkout would keep an old build, which the package then refuses to import).
 NATIVE_SRC := setup.py $(wildcard client/tokcache/*/*.c client/tokcache/*/*.h)
 
 $(STAMP): pyproject.toml $(NATIVE_SRC) | build-deps

@@ -1,8 +1,8 @@
 """The one thing pyproject.toml cannot say without an experimental table: the C extensions.
 
-Both are optional: where they cannot be compiled (no compiler, no Python or OpenSSL headers)
-the install goes on and the pure-Python code they accelerate -- the reference the tests
-compare them with -- serves instead:
+Both are part of the build: a compile or link error fails the install, and the package
+refuses to import without them (``tokcache/native.py``). The Python code they accelerate
+stays the reference the tests compare them with (``TOKCACHE_PURE_PYTHON=1`` runs it):
 
 - ``tokcache.store._speedups``: index probes, slot writes and record writes
   (``tokcache/store/_index.py``, ``_log.py``), and ``Hasher``, SHA-256 for keys and record
@@ -22,8 +22,8 @@ FLAGS = ["-O2", "-fvisibility=hidden"]
 HEADERS = [f"{STORE}/_index.h", f"{STORE}/_hasher.h"]
 
 setup(ext_modules=[
-    Extension("tokcache.store._speedups", [f"{STORE}/_speedups.c", f"{STORE}/_hasher.c"], libraries=["crypto"], optional=True,
+    Extension("tokcache.store._speedups", [f"{STORE}/_speedups.c", f"{STORE}/_hasher.c"], libraries=["crypto"],
               extra_compile_args=FLAGS, include_dirs=[STORE], depends=HEADERS),
-    Extension("tokcache.engine._speedups", ["client/tokcache/engine/_speedups.c"], optional=True,
+    Extension("tokcache.engine._speedups", ["client/tokcache/engine/_speedups.c"],
               extra_compile_args=FLAGS, include_dirs=[STORE], depends=HEADERS),
 ])

@@ -513,9 +513,8 @@ static PyObject *s_text, *s_data, *s_spans, *s_stable, *s_tail_from, *s_kept_end
 #include "_hasher.h"
 #include "_index.h"
 
-/* The store extension's Hasher (its capsule, imported at init): key states are its objects,
- * hashed on here in their state, no call into Python. NULL when that extension is not
- * built or of another version: extend then says None (the Python path serves). */
+/* The store extension's Hasher (its capsule, imported at init, which fails without it): key
+ * states are its objects, hashed on here in their state, no call into Python. */
 static const TkHasherAPI *hasher_api;
 
 static int as_ssize(PyObject *o, Py_ssize_t *out) {
@@ -1419,9 +1418,12 @@ PyMODINIT_FUNC PyInit__speedups(void) {
     hasher_api = capsule ? (const TkHasherAPI *)PyCapsule_GetPointer(capsule, TK_HASHER_CAPSULE) : NULL;
     Py_XDECREF(capsule);
     Py_XDECREF(store_ext);
-    if (!hasher_api || hasher_api->version != TK_HASHER_API_VERSION) {
-        hasher_api = NULL; /* extend serves nothing; the rest of this module works */
-        PyErr_Clear();
+    if (!hasher_api) return NULL; /* (the import's or the capsule's error) */
+    if (hasher_api->version != TK_HASHER_API_VERSION) {
+        PyErr_Format(PyExc_ImportError, "tokcache.engine._speedups needs the hasher API %d of tokcache.store._speedups, "
+                     "which has %d: a stale build, reinstall tokcache", TK_HASHER_API_VERSION, hasher_api->version);
+        hasher_api = NULL;
+        return NULL;
     }
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;

@@ -1,7 +1,7 @@
 """SHA-256 for keys and record checks: the one place that picks the hasher.
 
-``Hasher`` is ``tokcache.store._speedups.Hasher`` (OpenSSL's libcrypto, ``_hasher.c``) when
-the store extension is built, else ``hashlib.sha256``. Both give the same digests
+``Hasher`` is ``tokcache.store._speedups.Hasher`` (OpenSSL's libcrypto, ``_hasher.c``), or
+``hashlib.sha256`` under ``TOKCACHE_PURE_PYTHON=1``. Both give the same digests
 (tests/tokcache/store/test_hasher.py), so keys and checks written by either are the same, and
 neither finalizes on ``digest()``: a running hash is digested at every keyed cut and fed on.
 The C one is also the one the engine extension's key pass works on in place: a key state made
@@ -13,7 +13,8 @@ when another thread took it meanwhile: beside a thread spinning in Python, one 1
 ~400 took 5-13 ms instead of ~9 µs (Python 3.11, OpenSSL 3.0). The pure-Python path feeds
 hashlib whole all the same: it is the reference the C code is tested against, where only the
 digests matter. Updates cut below 2 KB would keep the GIL (at ~15% more time on a 57 KB text,
-SHA-256 having no wide SIMD to lose), but serve no one that needs latency.
+SHA-256 having no wide SIMD to lose), but serve no one: with the extensions part of the build,
+TOKCACHE_PURE_PYTHON=1 is for tests and diagnosis, not for latency.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ Hasher: Callable[..., KeyHasher]
 if _speedups is not None:
     Hasher = _speedups.Hasher
     NATIVE = True
-else:  # not built, or TOKCACHE_PURE_PYTHON=1
+else:  # TOKCACHE_PURE_PYTHON=1
     Hasher = hashlib.sha256
     NATIVE = False
 

@@ -21,6 +21,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tokcache import native
 from tokcache.store import _hash
 
 _speedups = importlib.import_module("tokcache.store._speedups")
@@ -88,6 +89,15 @@ def test_constructor_and_digest_reject_bad_arguments() -> None:
         _speedups.Hasher(b"a", b"b")
     with pytest.raises(TypeError):
         _speedups.Hasher().digest(16)
+
+
+def test_the_keys_hasher_is_the_extensions_unless_pure_python() -> None:
+    """``_hash.Hasher`` is the C type (the one the engine's key pass hashes on in place), or
+    hashlib's under TOKCACHE_PURE_PYTHON=1: never a third."""
+    if native.pure_python():
+        assert (_hash.NATIVE, _hash.Hasher) == (False, hashlib.sha256)
+    else:
+        assert (_hash.NATIVE, _hash.Hasher) == (True, _speedups.Hasher)
 
 
 def test_keys_are_the_same_in_a_pure_python_process() -> None:
