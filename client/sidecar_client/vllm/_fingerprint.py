@@ -1,6 +1,6 @@
 """The tokenizer fingerprint of vLLM's own tokenizer, computed as the sidecar does.
 
-The sidecar identifies a tokenizer by ``blake3(tokenizer.json bytes).hexdigest(16)``
+The sidecar identifies a tokenizer by ``sha256(tokenizer.json bytes).hexdigest()[:32]``
 (``tokcache.sidecar.engine.model.fingerprint_of``); this module repeats that formula
 without importing the server package, and finds the ``tokenizer.json`` vLLM
 loaded: a local model directory, or the Hugging Face hub cache.
@@ -8,11 +8,10 @@ loaded: a local model directory, or the Hugging Face hub cache.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
-
-from blake3 import blake3
 
 __all__ = ["TOKENIZER_FILE", "fingerprint_file", "find_tokenizer_json"]
 
@@ -20,8 +19,8 @@ TOKENIZER_FILE = "tokenizer.json"
 
 
 def fingerprint_file(path: Path) -> str:
-    """``blake3(bytes).hexdigest(16)``: 32 hex chars, equal to the server's ``fingerprint_of``."""
-    return str(blake3(Path(path).read_bytes()).hexdigest(16))
+    """``sha256(bytes).hexdigest()[:32]``: 32 hex chars, equal to the server's ``fingerprint_of``."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:32]
 
 
 def _candidate_dirs(tokenizer: Any, names: Iterable[str | None]) -> list[Path]:

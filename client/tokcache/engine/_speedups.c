@@ -491,9 +491,8 @@ static PyObject *s_text, *s_data, *s_spans, *s_stable, *s_tail_from, *s_kept_end
 #include "_hasher.h"
 #include "_index.h"
 
-/* The store extension's Hasher (its capsule, imported at init): key states are its objects,
- * hashed on here in their state, no call into a binding. NULL when that extension is not
- * built or of another version: extend then says None (the Python path serves). */
+/* The store extension's Hasher (its capsule, imported at init, which fails without it): key
+ * states are its objects, hashed on here in their state, no call into Python. */
 static const TkHasherAPI *hasher_api;
 
 static int as_ssize(PyObject *o, Py_ssize_t *out) {
@@ -523,17 +522,17 @@ static int span_at(PyObject *spans, Py_ssize_t i, Py_ssize_t *start, Py_ssize_t 
 }
 
 /* Feed data[a:b] (bytes) to a hasher state. */
-static inline void feed(blake3_hasher *h, PyObject *data, Py_ssize_t a, Py_ssize_t b) {
+static inline void feed(TkHashState *h, PyObject *data, Py_ssize_t a, Py_ssize_t b) {
     if (b > a) hasher_api->update(h, PyBytes_AS_STRING(data) + a, (size_t)(b - a));
 }
 
 /* A key: the first 16 bytes of the digest of ``h``, after ``suffix`` (n bytes) if any;
  * ``h`` itself is unchanged. */
-static PyObject *key_of(const blake3_hasher *h, const char *suffix, size_t n) {
+static PyObject *key_of(const TkHashState *h, const char *suffix, size_t n) {
     PyObject *k = PyBytes_FromStringAndSize(NULL, TK_KEY_SIZE);
     if (!k) return NULL;
     if (n) {
-        blake3_hasher t = *h;
+        TkHashState t = *h;
         hasher_api->update(&t, suffix, n);
         hasher_api->finalize(&t, (uint8_t *)PyBytes_AS_STRING(k), TK_KEY_SIZE);
     } else {
@@ -631,8 +630,8 @@ static PyObject *py_extend(PyObject *self, PyObject *args) {
              *added = NULL, *base_data = NULL, *data = NULL, *base_spans = NULL, *spans = NULL, *tail_list = NULL,
              *keyed = NULL, *keys = NULL, *state = NULL, *exact = NULL, *ident = NULL, *entry = NULL,
              *st = NULL, *ar_keys = NULL, *empty = NULL;
-    /* Hasher states on the stack (plain data, ~2 KB each): the key pass, the AR keys'. */
-    blake3_hasher hs, as;
+    /* Hasher states on the stack (plain data, 112 bytes each): the key pass, the AR keys'. */
+    TkHashState hs, as;
     Py_buffer view;
     int have_view = 0;
 
@@ -682,8 +681,8 @@ static PyObject *py_extend(PyObject *self, PyObject *args) {
         if (!empty) goto fail;
         r_l1 = r_ar = r_keyed = empty;
     }
-    /* (None: a state cut back, rebuilt by the Python path; a blake3-package hasher: a build
-     * without the store extension's Hasher) */
+    /* (None: a state cut back, rebuilt by the Python path; another hasher type, such as
+     * hashlib's: the Python path's) */
     if (!hasher_api || Py_TYPE(r_hasher) != hasher_api->type) DECLINE(TK_BASE_STATE);
 
     /* 3. The text as UTF-8: the base's bytes, then the appended part's. A lone surrogate is
@@ -1423,9 +1422,12 @@ PyMODINIT_FUNC PyInit__speedups(void) {
     hasher_api = capsule ? (const TkHasherAPI *)PyCapsule_GetPointer(capsule, TK_HASHER_CAPSULE) : NULL;
     Py_XDECREF(capsule);
     Py_XDECREF(store_ext);
-    if (!hasher_api || hasher_api->version != TK_HASHER_API_VERSION) {
-        hasher_api = NULL; /* extend serves nothing; the rest of this module works */
-        PyErr_Clear();
+    if (!hasher_api) return NULL; /* (the import's or the capsule's error) */
+    if (hasher_api->version != TK_HASHER_API_VERSION) {
+        PyErr_Format(PyExc_ImportError, "tokcache.engine._speedups needs the hasher API %d of tokcache.store._speedups, "
+                     "which has %d: a stale build, reinstall tokcache", TK_HASHER_API_VERSION, hasher_api->version);
+        hasher_api = NULL;
+        return NULL;
     }
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;

@@ -8,21 +8,20 @@ affixes (:func:`prove`); then it publishes the verdicts in the segment's manifes
 manifest (:func:`from_manifest`) without re-running the checks — only an encoder the
 sidecar did not prove (another fastokens version here) is gated again, locally.
 
-The manifest is checked before it is trusted: same tokenizer fingerprint (blake3 of
+The manifest is checked before it is trusted: same tokenizer fingerprint (SHA-256 of
 ``tokenizer.json``), a format this code knows. Anything else raises
 :class:`ManifestMismatch` with the reason, and the caller uses the RPC path.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from pathlib import Path
 from typing import Any
-
-from blake3 import blake3
 
 from tokcache.engine.affixes import Affixes, detect_affixes
 from tokcache.engine.boundaries import BoundaryCheck, BoundaryScanner, added_tokens, check_boundaries
@@ -42,12 +41,12 @@ class ManifestMismatch(Exception):
 
 
 def fingerprint_of(tokenizer_json: Path) -> str:
-    """Tokenizer identity: blake3 of tokenizer.json, 32 hex chars.
+    """Tokenizer identity: SHA-256 of tokenizer.json, its first 32 hex chars.
 
     Ids depend on tokenizer.json alone (templates only change the text), so that is
     what the cache segment, the manifest and the vLLM handshake are bound to.
     """
-    return blake3(tokenizer_json.read_bytes()).hexdigest(16)
+    return hashlib.sha256(tokenizer_json.read_bytes()).hexdigest()[:32]
 
 
 def _version(dist: str) -> str:

@@ -1,12 +1,13 @@
-/* ``Hasher``: BLAKE3 in C, the subset of the ``blake3`` package's hasher that keys use
+/* ``Hasher``: SHA-256 in C (libcrypto), the subset of ``hashlib.sha256`` that keys use
  * (``update``, ``copy``, ``digest``), with the same digests (see _hasher.h).
  *
- * Why not the package: a key pass makes ~8 calls into its binding per request (~23 us of a
- * cold read's lookup), and the binding lets go of the GIL for an update of 2 KB or more,
- * so a 57 KB text was fed in pieces below that (tokcache.store._hash: 89 us instead of 22)
- * to not wait up to a switch interval (5 ms) for the GIL after. This one never lets it go:
- * BLAKE3 runs at GB/s here, so even an 8 MB text holds it for a few ms, about one switch
- * interval, and a request does not pay a GIL hand-off for microseconds of hashing.
+ * Why not hashlib's object: a key pass makes ~8 calls per request into the hasher, and
+ * hashlib lets go of the GIL for an update of 2 KB or more; getting it back then waits for
+ * whichever of the caller's threads took it meanwhile (a client's write-behind, gRPC's) for
+ * up to the interpreter's switch interval (5 ms), for hashing that takes microseconds. This
+ * one never lets it go: SHA-256 runs at ~1.5 GB/s here (SHA-NI), so even an 8 MB text holds
+ * it for ~5 ms, one switch interval. Its state is also what the engine extension's key pass
+ * works on in place (hashlib's is opaque).
  */
 #define PY_SSIZE_T_CLEAN
 #include "_hasher.h"
@@ -15,33 +16,33 @@
 
 static PyTypeObject HasherType;
 
-static TkHasher *hasher_new_empty(void) {
-    return (TkHasher *)HasherType.tp_alloc(&HasherType, 0);
-}
-
-static TkHasher *api_wrap(const blake3_hasher *state) {
-    TkHasher *c = hasher_new_empty();
-    if (c) memcpy(&c->state, state, sizeof(blake3_hasher));
+static TkHasher *api_wrap(const TkHashState *state) {
+    TkHasher *c = (TkHasher *)HasherType.tp_alloc(&HasherType, 0);
+    if (c) c->state = *state;
     return c;
 }
 
-static void api_update(blake3_hasher *state, const void *data, size_t n) {
-    blake3_hasher_update(state, data, n);
+static void api_update(TkHashState *state, const void *data, size_t n) {
+    SHA256_Update(state, data, n);
 }
 
-static void api_finalize(const blake3_hasher *state, uint8_t *out, size_t n) {
-    blake3_hasher_finalize(state, out, n);
+static void api_finalize(const TkHashState *state, uint8_t *out, size_t n) {
+    /* SHA256_Final pads and ends its context: it works on a copy. */
+    TkHashState t = *state;
+    uint8_t md[TK_DIGEST_SIZE];
+    SHA256_Final(md, &t);
+    memcpy(out, md, n < TK_DIGEST_SIZE ? n : TK_DIGEST_SIZE);
 }
 
 /* Feed a buffer-protocol object (bytes, bytearray, memoryview, ...). */
 static int feed_object(TkHasher *h, PyObject *data) {
-    if (PyUnicode_Check(data)) { /* as the package: text must be encoded first */
-        PyErr_SetString(PyExc_TypeError, "Unicode-objects must be encoded before hashing");
+    if (PyUnicode_Check(data)) { /* as hashlib: text must be encoded first */
+        PyErr_SetString(PyExc_TypeError, "Strings must be encoded before hashing");
         return -1;
     }
     Py_buffer view;
     if (PyObject_GetBuffer(data, &view, PyBUF_SIMPLE) < 0) return -1;
-    blake3_hasher_update(&h->state, view.buf, (size_t)view.len);
+    SHA256_Update(&h->state, view.buf, (size_t)view.len);
     PyBuffer_Release(&view);
     return 0;
 }
@@ -52,7 +53,7 @@ static PyObject *Hasher_new(PyTypeObject *type, PyObject *args, PyObject *kwds) 
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "|O:Hasher", kwlist, &data)) return NULL;
     TkHasher *h = (TkHasher *)type->tp_alloc(type, 0);
     if (!h) return NULL;
-    blake3_hasher_init(&h->state);
+    SHA256_Init(&h->state);
     if (data && data != Py_None && feed_object(h, data) < 0) {
         Py_DECREF(h);
         return NULL;
@@ -60,11 +61,11 @@ static PyObject *Hasher_new(PyTypeObject *type, PyObject *args, PyObject *kwds) 
     return (PyObject *)h;
 }
 
-PyDoc_STRVAR(update_doc, "update(data, /) -> self\n\nFeed the bytes of a buffer (bytes, bytearray, memoryview).");
+PyDoc_STRVAR(update_doc, "update(data, /) -> None\n\nFeed the bytes of a buffer (bytes, bytearray, memoryview).");
 
 static PyObject *Hasher_update(TkHasher *self, PyObject *data) {
     if (feed_object(self, data) < 0) return NULL;
-    return Py_NewRef((PyObject *)self);
+    Py_RETURN_NONE;
 }
 
 PyDoc_STRVAR(copy_doc, "copy() -> Hasher\n\nA new hasher in the same state (this one is unchanged).");
@@ -74,29 +75,19 @@ static PyObject *Hasher_copy(TkHasher *self, PyObject *Py_UNUSED(ignored)) {
 }
 
 PyDoc_STRVAR(digest_doc,
-"digest(length=32) -> bytes\n\nThe first ``length`` bytes of BLAKE3's output for what was fed so far\n"
-"(extendable output: any length >= 1 up to 1 MiB). Does not finalize: feeding more after is fine.");
+"digest() -> bytes\n\nThe 32-byte SHA-256 digest of what was fed so far. Does not finalize: feeding more after\n"
+"is fine.");
 
-#define TK_DIGEST_MAX (1 << 20)
-
-static PyObject *Hasher_digest(TkHasher *self, PyObject *args, PyObject *kwds) {
-    Py_ssize_t length = BLAKE3_OUT_LEN;
-    static char *kwlist[] = {"length", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|n:digest", kwlist, &length)) return NULL;
-    if (length < 1 || length > TK_DIGEST_MAX) {
-        PyErr_Format(PyExc_ValueError, "digest length must be 1 to %d bytes, not %zd", TK_DIGEST_MAX, length);
-        return NULL;
-    }
-    PyObject *out = PyBytes_FromStringAndSize(NULL, length);
-    if (!out) return NULL;
-    blake3_hasher_finalize(&self->state, (uint8_t *)PyBytes_AS_STRING(out), (size_t)length);
+static PyObject *Hasher_digest(TkHasher *self, PyObject *Py_UNUSED(ignored)) {
+    PyObject *out = PyBytes_FromStringAndSize(NULL, TK_DIGEST_SIZE);
+    if (out) api_finalize(&self->state, (uint8_t *)PyBytes_AS_STRING(out), TK_DIGEST_SIZE);
     return out;
 }
 
-PyDoc_STRVAR(hexdigest_doc, "hexdigest(length=32) -> str\n\n``digest(length).hex()``.");
+PyDoc_STRVAR(hexdigest_doc, "hexdigest() -> str\n\n``digest().hex()``.");
 
-static PyObject *Hasher_hexdigest(TkHasher *self, PyObject *args, PyObject *kwds) {
-    PyObject *raw = Hasher_digest(self, args, kwds);
+static PyObject *Hasher_hexdigest(TkHasher *self, PyObject *Py_UNUSED(ignored)) {
+    PyObject *raw = Hasher_digest(self, NULL);
     if (!raw) return NULL;
     PyObject *hex = PyObject_CallMethod(raw, "hex", NULL);
     Py_DECREF(raw);
@@ -106,14 +97,14 @@ static PyObject *Hasher_hexdigest(TkHasher *self, PyObject *args, PyObject *kwds
 static PyMethodDef Hasher_methods[] = {
     {"update", (PyCFunction)Hasher_update, METH_O, update_doc},
     {"copy", (PyCFunction)Hasher_copy, METH_NOARGS, copy_doc},
-    {"digest", (PyCFunction)(void (*)(void))Hasher_digest, METH_VARARGS | METH_KEYWORDS, digest_doc},
-    {"hexdigest", (PyCFunction)(void (*)(void))Hasher_hexdigest, METH_VARARGS | METH_KEYWORDS, hexdigest_doc},
+    {"digest", (PyCFunction)Hasher_digest, METH_NOARGS, digest_doc},
+    {"hexdigest", (PyCFunction)Hasher_hexdigest, METH_NOARGS, hexdigest_doc},
     {NULL, NULL, 0, NULL},
 };
 
 PyDoc_STRVAR(Hasher_doc,
-"Hasher(data=None)\n\nBLAKE3 (the official C implementation; the same digests as the blake3 package's\n"
-"hasher), holding the GIL throughout. Not thread-safe: one thread feeds one hasher.");
+"Hasher(data=None)\n\nSHA-256 (OpenSSL's libcrypto; the digests of hashlib.sha256), holding the GIL\n"
+"throughout. Not thread-safe: one thread feeds one hasher.");
 
 static PyTypeObject HasherType = {
     PyVarObject_HEAD_INIT(NULL, 0)
@@ -144,8 +135,11 @@ int tk_hasher_add(PyObject *m) {
 }
 
 void tk_record_check(const void *data, size_t n, uint8_t out[16]) {
-    blake3_hasher h;
-    blake3_hasher_init(&h);
-    blake3_hasher_update(&h, data, n);
-    blake3_hasher_finalize(&h, out, 16);
+    /* (not the one-shot SHA256(): in OpenSSL 3 it fetches the algorithm on every call) */
+    TkHashState h;
+    uint8_t md[TK_DIGEST_SIZE];
+    SHA256_Init(&h);
+    SHA256_Update(&h, data, n);
+    SHA256_Final(md, &h);
+    memcpy(out, md, 16);
 }

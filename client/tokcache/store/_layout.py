@@ -54,7 +54,7 @@ Arena
     The gap a writer skips at the end of the arena starts with (PAD_MAGIC, gap size) at
     RECORD_MAGIC_OFF when it has room for a record header, so the evicting writer can step
     over whole records from tail (to count them); a gap too short for that is implied.
-    ``check`` = first 16 bytes of blake3 over the record from byte 16 to its end, so it covers
+    ``check`` = first 16 bytes of SHA-256 over the record from byte 16 to its end, so it covers
     the record's own LSN: two different records never share (lsn, check).
     A record may link to a parent record by (parent_lsn, first 8 bytes of the parent's check,
     ids used from the parent); the chain is therefore immutable and verifiable link by link.
@@ -71,7 +71,8 @@ from tokcache import native
 
 from . import _hash
 
-LAYOUT_VERSION: Final = 4  # 3: the id width joined the static header; 4: generation, manifest
+LAYOUT_VERSION: Final = 5  # 3: the id width joined the static header; 4: generation, manifest;
+# 5: keys and checks are SHA-256 (were BLAKE3)
 MAGIC: Final = b"TOKCACHE"
 PAGE: Final = 4096
 HEADER_SIZE: Final = PAGE
@@ -199,7 +200,7 @@ MAX_SIZE: Final = 1 << 44  # 16 TiB: far beyond any cap, keeps every offset smal
 
 
 def check_of(data: bytes | bytearray | memoryview) -> bytes:
-    """The 16-byte blake3 check of ``data`` (record body or static header)."""
+    """The 16-byte SHA-256 check of ``data`` (record body or static header)."""
     return _hash.digest(data, CHECK_SIZE)
 
 

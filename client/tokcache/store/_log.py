@@ -11,7 +11,7 @@ that nothing references yet.
 
 A reader copies each record of a chain out of the segment file (``pread``, see below),
 verifies it (magic, own LSN,
-blake3 check, link to its parent), and only then re-reads tail. The writer moves tail past
+SHA-256 check, link to its parent), and only then re-reads tail. The writer moves tail past
 a record before overwriting any of it, so a record still at or above tail after the copy
 was not being overwritten during it: a torn copy always ends as a miss, and the checks
 also turn any stray write into a miss.

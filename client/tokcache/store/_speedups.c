@@ -1,6 +1,5 @@
 /* Index probes and slot writes in C: the same answers as the Python loops in ``_index.py``,
- * which stay the reference (tests compare the two) and the fallback when this module is
- * not built.
+ * which stay the reference (tests compare the two; TOKCACHE_PURE_PYTHON=1 runs them).
  *
  * A lookup probes up to ~16 keys per request and a writer points ~10 keys per record; in
  * Python each probe is ~1.5 us of interpreter work (a 128-bit modulo, slices, a find),
@@ -293,7 +292,7 @@ PyDoc_STRVAR(write_record_doc,
 "             expiry, parent_size, floor, entries, ids) -> None\n\n"
 "_log.write_record's Python (the reference), in C: the ``size`` bytes of one record at ``start`` of\n"
 "``buf`` -- header (magic, ``len(entries)``), the (key, n, kind, expiry) entries, the stored\n"
-"``ids``, zero padding -- then its blake3 check. No copy of the record is made.");
+"``ids``, zero padding -- then its SHA-256 check. No copy of the record is made.");
 
 static PyObject *py_write_record(PyObject *self, PyObject *args) {
     PyObject *buf, *entries;
@@ -357,10 +356,13 @@ static PyObject *py_write_record(PyObject *self, PyObject *args) {
     memcpy(p, ids.buf, ids.len);
     p += ids.len;
     memset(p, 0, (size_t)(rec + size - p));
-    blake3_hasher h;
-    blake3_hasher_init(&h);
-    blake3_hasher_update(&h, rec + CHECK_SIZE, (size_t)size - CHECK_SIZE);
-    blake3_hasher_finalize(&h, rec, CHECK_SIZE);
+    /* (not the one-shot SHA256(): in OpenSSL 3 it fetches the algorithm on every call) */
+    TkHashState h;
+    unsigned char md[TK_DIGEST_SIZE];
+    SHA256_Init(&h);
+    SHA256_Update(&h, rec + CHECK_SIZE, (size_t)size - CHECK_SIZE);
+    SHA256_Final(md, &h);
+    memcpy(rec, md, CHECK_SIZE);
     out = Py_NewRef(Py_None);
 done:
     if (view.obj) PyBuffer_Release(&view);
@@ -423,7 +425,7 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "tokcache.store._speedups",
-    "Index probes and slot writes in C (_index.py is the reference), and Hasher: BLAKE3 for\n"
+    "Index probes and slot writes in C (_index.py is the reference), and Hasher: SHA-256 for\n"
     "keys (_hasher.c). API: the version of these\n"
     "functions (see tokcache.engine._speedups).", -1, methods,
 };

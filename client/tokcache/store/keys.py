@@ -1,9 +1,9 @@
 """Cache keys: content hashes of text prefixes, namespaced by salt and mode.
 
-A key is ``blake3(header || utf8(text[:cut]))`` truncated to 16 bytes, where
+A key is ``sha256(header || utf8(text[:cut]))`` truncated to 16 bytes, where
 the header binds the layer and tenant. One running hasher walks the text and
 is digested at every keyed cut (KEY_GRID), so keying a 57 KB prompt hashes each
-byte once (``digest`` does not finalize a blake3 hasher).
+byte once (``digest`` finalizes a copy of the state, not the hasher).
 
 Keys do not name the model: a segment holds exactly one tokenizer
 fingerprint, and two model names with the same tokenizer share entries.
@@ -16,7 +16,7 @@ from bisect import bisect_right
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from ._hash import Hasher, feed
+from ._hash import Hasher, KeyHasher
 
 __all__ = ["CHECKPOINT_CUTS", "KEY_BYTES", "KEY_GRID", "KeyState", "KeyStream", "MODE_EXACT", "MODE_KV_STABLE",
            "TextKeys", "extend_keyed", "l0_key", "namespace", "output_key", "pending_key", "root_hasher", "segment_key"]
@@ -47,19 +47,19 @@ class KeyStream:
 
     def feed(self, data: bytes) -> None:
         """Append the next bytes of the text."""
-        feed(self._h, data)
+        self._h.update(data)
 
     def exact_key(self) -> bytes:
         """Key of the L0 entry for the text fed so far (the whole text)."""
         h = self._h.copy()
         h.update(_L0_SUFFIX)
-        return h.digest(KEY_BYTES)
+        return h.digest()[:KEY_BYTES]
 
     def output_key(self) -> bytes:
         """Key of an AR entry ending at the text fed so far (a recorded output)."""
         h = self._h.copy()
         h.update(_AR_SUFFIX)
-        return h.digest(KEY_BYTES)
+        return h.digest()[:KEY_BYTES]
 
 
 _MODES = {"kv-stable": MODE_KV_STABLE, "exact": MODE_EXACT}
@@ -99,20 +99,19 @@ def pending_key(ar_key: bytes) -> bytes:
     finds the marks of the same cuts without hashing the text again."""
     h = _PENDING.copy()
     h.update(ar_key)
-    return h.digest(KEY_BYTES)
+    return h.digest()[:KEY_BYTES]
 
 
 def segment_key(salt: str, mode: bytes, text: bytes | memoryview) -> bytes:
     """Key of a segment-AR entry: a recorded output's text on its own (a read probes one per
     piece of its uncached tail: the namespace header is hashed once per namespace)."""
     h = _segment_root(salt, mode).copy()
-    feed(h, text)
-    key: bytes = h.digest(KEY_BYTES)
-    return key
+    h.update(text)
+    return h.digest()[:KEY_BYTES]
 
 
 @functools.lru_cache(maxsize=256)
-def _segment_root(salt: str, mode: bytes) -> Any:  # noqa: ANN401 - blake3's hasher type is untyped
+def _segment_root(salt: str, mode: bytes) -> KeyHasher:
     """A hasher fed segment_key's namespace header: copy it, never update it."""
     return Hasher(b"tokcache/v1\x00S" + namespace(salt, mode))
 
@@ -174,11 +173,11 @@ CHECKPOINT_CUTS = 16
 
 
 @functools.lru_cache(maxsize=256)
-def root_hasher(salt: str, mode: bytes) -> Any:  # noqa: ANN401 - blake3's hasher type is untyped
+def root_hasher(salt: str, mode: bytes) -> KeyHasher:
     """A hasher fed the namespace header of (salt, mode): copy it, never update it.
 
     Shared (per namespace, across requests and threads: only ever copied), so a request
-    does not build one — a few µs of cold interpreter and blake3 work each time."""
+    does not build one — a few µs of cold interpreter and hashing work each time."""
     return KeyStream(salt, mode)._h
 
 
@@ -186,7 +185,7 @@ class TextKeys:
     """Keys of one text at its keyed cuts, computed lazily and only where needed.
 
     Hashing is the cost that scales with the text: a 57 KB prompt has ~300 boundaries,
-    ~30 of them keyed (see KEY_GRID), and one blake3 pass over all of it is ~14 µs while
+    ~30 of them keyed (see KEY_GRID), and one SHA-256 pass over all of it is ~35 µs while
     each digest is a call. A growing conversation needs keys at its last keyed cuts only
     (the lookup probes them; the new ones are stored), so :meth:`scan_tail` fills those and
     the whole-text key in one running pass; any other key is hashed from the nearest state
@@ -212,10 +211,10 @@ class TextKeys:
         ok = resume is not None and resume.cut < n and spans[resume.cut][1] <= len(data)
         r = resume if ok else None
         if r is not None and r.hasher is None:
-            # A state cut back (KeyState.at): one pass over the shared bytes, which blake3
-            # hashes several times faster in one call than a key at a time.
+            # A state cut back (KeyState.at): one pass over the shared bytes, in one call
+            # rather than a key at a time.
             h = self._root.copy()
-            feed(h, memoryview(data)[:spans[r.cut][1]])
+            h.update(memoryview(data)[:spans[r.cut][1]])
             r = r._replace(hasher=h)
         self._resume = r
         if r is not None:
@@ -233,7 +232,7 @@ class TextKeys:
         self._ar_keys: list[bytes | None] = [None] * n
         self._exact: bytes | None = None
         # Hasher states (offset, hasher) by ascending offset, beside the resume point.
-        self._marks: list[tuple[int, Any]] = []
+        self._marks: list[tuple[int, KeyHasher]] = []
         self._state: KeyState | None = None
 
     @classmethod
@@ -287,7 +286,7 @@ class TextKeys:
         """Where :meth:`scan_tail` left the last cut a longer text keeps (for ``resume``)."""
         return self._state
 
-    def _hasher_at(self, offset: int) -> Any:  # noqa: ANN401 - blake3's hasher type is untyped
+    def _hasher_at(self, offset: int) -> KeyHasher:
         """A (new) hasher fed the namespace header and ``data[:offset]``, from the nearest
         state at or below ``offset``."""
         start, base = 0, self._root
@@ -301,7 +300,7 @@ class TextKeys:
                 start, base = m_off, m
         h = base.copy()
         if offset > start:
-            feed(h, memoryview(self._data)[start:offset])
+            h.update(memoryview(self._data)[start:offset])
         return h
 
     def exact_key(self) -> bytes:
@@ -309,7 +308,7 @@ class TextKeys:
         if self._exact is None:
             h = self._hasher_at(len(self._data))
             h.update(_L0_SUFFIX)
-            self._exact = h.digest(KEY_BYTES)
+            self._exact = h.digest()[:KEY_BYTES]
         return self._exact
 
     def key_at(self, pos: int) -> bytes:
@@ -318,7 +317,7 @@ class TextKeys:
         if k is None:
             end = self._spans[self._keyed[pos]][1]
             self._checkpoint(end)
-            k = self._keys[pos] = self._hasher_at(end).digest(KEY_BYTES)
+            k = self._keys[pos] = self._hasher_at(end).digest()[:KEY_BYTES]
         return k
 
     def ar_key(self, i: int) -> bytes:
@@ -333,7 +332,7 @@ class TextKeys:
                 self._checkpoint(start)
                 h = self._hasher_at(start)
                 h.update(_AR_SUFFIX)
-                k = h.digest(KEY_BYTES)
+                k = h.digest()[:KEY_BYTES]
             self._ar_keys[i] = k
         return k
 
@@ -352,7 +351,7 @@ class TextKeys:
             end = spans[j][1]
             if end >= low:
                 break
-            feed(h, mv[prev:end])
+            h.update(mv[prev:end])
             prev = end
             marks.append((end, h.copy()))
         self._marks = marks
@@ -386,16 +385,16 @@ class TextKeys:
             marks.sort()
         for end, p in marks:
             if end > start:
-                feed(h, data[start:end])
+                h.update(data[start:end])
                 start = end
             if p >= 0:
-                keys[p] = h.digest(KEY_BYTES)
+                keys[p] = h.digest()[:KEY_BYTES]
             else:
                 self._state = KeyState(last, h.copy(), keys, self._ar_keys, keyed)
         if self._exact is None:
-            feed(h, data[start:])
+            h.update(data[start:])
             h.update(_L0_SUFFIX)
-            self._exact = h.digest(KEY_BYTES)
+            self._exact = h.digest()[:KEY_BYTES]
 
     def fill(self, lo: int, hi: int) -> None:
         """Compute the L1 keys at keyed positions ``lo <= p < hi`` that are missing."""
@@ -426,8 +425,8 @@ class TextKeys:
         for i in todo:
             end = spans[i][0]
             if end > start:
-                feed(h, data[start:end])
+                h.update(data[start:end])
                 start = end
             a = h.copy()
             a.update(_AR_SUFFIX)
-            ar_keys[i] = a.digest(KEY_BYTES)
+            ar_keys[i] = a.digest()[:KEY_BYTES]

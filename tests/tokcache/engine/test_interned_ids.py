@@ -11,8 +11,9 @@ from hypothesis import strategies as st
 from tokcache.engine import ids as ids_mod
 from tokcache.engine.ids import BYTES, INTERNED_IDS, LISTS, intern_ids, unpack_interned
 from tokcache.ids import pack_ids, unpack_ids
+from tokcache.native import pure_python
 
-native = pytest.mark.skipif(ids_mod._native is None, reason="the native extension is not built")
+native = pytest.mark.skipif(pure_python(), reason="TOKCACHE_PURE_PYTHON=1: no native ids")
 
 
 def fresh(values: list[int]) -> list[int]:

@@ -7,14 +7,13 @@ parent can check what a killed child may have written without talking to it.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import random
 import time
 from collections.abc import Iterator
 from multiprocessing.queues import Queue
 from multiprocessing.synchronize import Barrier, Event
-
-from blake3 import blake3
 
 from tokcache.store import Kind, Store, StoreReader
 from tokcache.store._segment import shm_path
@@ -33,8 +32,8 @@ class FakeClock:
 
 
 def key(*parts: object) -> bytes:
-    """A 16-byte key, as callers make them (blake3 of something)."""
-    return bytes(blake3(repr(parts).encode()).digest(16))
+    """A 16-byte key, as callers make them (a hash of something)."""
+    return hashlib.sha256(repr(parts).encode()).digest()[:16]
 
 
 def ids_of(*parts: object, n: int | None = None) -> bytes:
