@@ -74,22 +74,13 @@ for p in (str(HERE), str(REPO)):
 
 import conversations  # noqa: E402
 from _contenders import ContenderUnavailable, GeneratedOutput, SmgContender, TokcacheContender  # noqa: E402
+from _stats import percentile  # noqa: E402
 from first_touch import balloon_reporting  # noqa: E402
 
 SEGMENT_CACHE_BYTES = 64 << 20
 CONTENDERS = ("fastokens", "fastokens+seg", "smg", "tokcache", "tokcache-rpc")
 OPT_IN = ("tokcache-ar",)
 BARRIER_TIMEOUT_S = 600  # clients set up (and the parent waits for them) within this
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    s = sorted(values)
-    k = (len(s) - 1) * q / 100
-    lo = int(k)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
 def _client(name: str, tok_dir: Path, target: str, smg_port: int, texts: list[str],

@@ -81,6 +81,7 @@ from _contenders import (  # noqa: E402
     TokenizersContender,
 )
 from _plot import pyplot  # noqa: E402
+from _stats import percentile  # noqa: E402
 
 SHM_TARGET_BYTES = 128 * 1024
 SEGMENT_CACHE_BYTES = 64 << 20
@@ -107,17 +108,6 @@ class Entry:
     samples: list[Sample] = field(default_factory=list)
     checked_calls: int = 0
     mismatches: int = 0
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Linear-interpolated percentile (numpy's default), q in [0, 100]."""
-    if not values:
-        return float("nan")
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100.0
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
 def first_diff(a: list[int], b: list[int]) -> int:
@@ -513,7 +503,7 @@ def summarise(
         per_turn = []
         for t in range(1, turns + 1):
             vals = [s.ns / 1000 for s in e.samples if s.turn == t]
-            per_turn.append(percentile(vals, 50) if vals else None)
+            per_turn.append(percentile(vals, 50))
         res["contenders"][c.name] = {
             "label": c.label,
             "status": e.status,
