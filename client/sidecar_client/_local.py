@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from sidecar_client._fingerprint import find_tokenizer_json
 from sidecar_client._models import TokenizeResult, local_result
 from sidecar_client._telemetry import trace_local
 from sidecar_client.errors import InvalidArgumentError, ResourceExhaustedError
@@ -50,7 +51,7 @@ from tokcache.store._layout import RETIRED_MARK, W_RETIRED
 from tokcache.store.keys import output_key, pending_key
 
 __all__ = ["HOLD_MAX_BYTES", "HOLD_S", "MIN_WRITE_BYTES", "LocalModel", "LocalPaths", "LocalStats",
-           "LocalUnavailable", "OpenJob", "RecordPending", "WriteBehind", "find_tokenizer_json"]
+           "LocalUnavailable", "OpenJob", "RecordPending", "WriteBehind"]
 
 log = logging.getLogger("sidecar_client.local")
 
@@ -746,19 +747,6 @@ def _left(deadline: float | None) -> float | None:
     """Seconds until ``deadline`` (None: no deadline), never negative, at most what a lock
     wait takes (a longer one raises OverflowError; a huge timeout is valid input)."""
     return None if deadline is None else min(max(0.0, deadline - time.monotonic()), threading.TIMEOUT_MAX)
-
-
-def find_tokenizer_json(*candidates: str | Path | None) -> Path | None:
-    """The first candidate that is a tokenizer.json file or a directory holding one."""
-    for c in candidates:
-        if not c:
-            continue
-        p = Path(c)
-        if p.is_dir():
-            p = p / "tokenizer.json"
-        if p.is_file():
-            return p
-    return None
 
 
 class LocalModel:
