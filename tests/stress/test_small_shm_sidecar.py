@@ -25,7 +25,14 @@ from typing import Any
 import pytest
 
 from tests.stress.harness import SidecarProc, Workload, channel, stub
-from tests.tokcache.store.small_tmpfs import in_namespace_of, in_small_tmpfs, namespace_unavailable, python_env, shm_of
+from tests.tokcache.store.small_tmpfs import (
+    fill,
+    in_namespace_of,
+    in_small_tmpfs,
+    namespace_unavailable,
+    python_env,
+    shm_of,
+)
 
 MIB = 1 << 20
 
@@ -68,25 +75,6 @@ def _in_sidecar_ns(side: SidecarProc, code: str) -> str:
                           timeout=120, env=python_env())
     assert done.returncode == 0, done.stderr
     return done.stdout
-
-
-def _fill(shm: Path, name: str = "filler") -> int:
-    """Another process's file takes every free page of the tmpfs, once; returns its size."""
-    fd = os.open(shm / name, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        size = os.fstat(fd).st_size
-        for chunk in (1 << 20, 64 << 10, 4 << 10):
-            while True:
-                try:
-                    os.posix_fallocate(fd, size, chunk)
-                except OSError as exc:
-                    if exc.errno != errno.ENOSPC:
-                        raise
-                    break
-                size += chunk
-        return size
-    finally:
-        os.close(fd)
 
 
 @contextmanager
@@ -177,7 +165,7 @@ def test_sidecar_survives_a_tmpfs_filled_at_run_time(tmp_path: Path, shm_prefix:
         work = _workload(500)
         shm = shm_of(side.pid)
         # 1. The segment was allocated whole: a tmpfs filled up by someone else does not matter.
-        assert _fill(shm) > 0 and os.statvfs(shm).f_bavail == 0
+        assert fill(shm / "filler") > 0 and os.statvfs(shm).f_bavail == 0
         _serve_all(side, work, work.items[:100])
         first = json.loads(_in_sidecar_ns(side, stats))
         assert first["puts"] >= 100
@@ -186,12 +174,12 @@ def test_sidecar_survives_a_tmpfs_filled_at_run_time(tmp_path: Path, shm_prefix:
         #    needs pages the tmpfs no longer has: the store evicts its own oldest records and
         #    gives their pages back instead.
         _in_sidecar_ns(side, store + "; s.shrink(0)")
-        _fill(shm)
+        fill(shm / "filler")
         _serve_all(side, work, work.items[100:200])
         second = json.loads(_in_sidecar_ns(side, stats))
         # 3. Pressure over, tmpfs still full: growing back evicts the same way.
         _in_sidecar_ns(side, store + "; s.set_soft_cap(None)")
-        _fill(shm)
+        fill(shm / "filler")
         _serve_all(side, work, work.items[200:350])
         third = json.loads(_in_sidecar_ns(side, stats))
         for before, after in ((first, second), (second, third)):
