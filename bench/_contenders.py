@@ -628,7 +628,4 @@ class TokcacheFloor(Contender):
         self._call()
         return []
 
-    def close(self) -> None:
-        channel = getattr(self, "_channel", None)
-        if channel is not None:
-            channel.close()
+    # close: the base class's no-op; the client is the tokcache contender's, closed with it.

@@ -1,24 +1,26 @@
-"""What the benchmarks compute alike: percentiles, and the CPU time of a server process."""
+"""What the benchmarks compute alike: percentiles of latency samples, and a server's CPU time."""
 
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 __all__ = ["percentile", "proc_cpu_s"]
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    """The ``q``-th percentile of ``values`` (linear between ranks); None for no values."""
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The ``q``-th percentile of ``values`` (``q`` in [0, 100]), linearly interpolated between
+    the two nearest ranks (numpy's default method); None when there are no values."""
     if not values:
         return None
-    s = sorted(values)
-    k = (len(s) - 1) * q / 100
-    lo = int(k)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
 def proc_cpu_s(server: Any) -> float:  # noqa: ANN401 - any contender with a ``_proc`` Popen

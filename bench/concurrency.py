@@ -74,22 +74,13 @@ for p in (str(HERE), str(REPO)):
 
 import conversations  # noqa: E402
 from _contenders import ContenderUnavailable, GeneratedOutput, SmgContender, TokcacheContender  # noqa: E402
+from _stats import percentile  # noqa: E402
 from first_touch import balloon_reporting  # noqa: E402
 
 SEGMENT_CACHE_BYTES = 64 << 20
 CONTENDERS = ("fastokens", "fastokens+seg", "smg", "tokcache", "tokcache-rpc")
 OPT_IN = ("tokcache-ar",)
 BARRIER_TIMEOUT_S = 600  # clients set up (and the parent waits for them) within this
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    s = sorted(values)
-    k = (len(s) - 1) * q / 100
-    lo = int(k)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
 def _client(name: str, tok_dir: Path, target: str, smg_port: int, texts: list[str],
@@ -205,6 +196,7 @@ def _child(name: str, index: int, args: dict[str, Any], texts: list[str], barrie
         kept: list[tuple[int, list[int]]] = []
         c0 = time.process_time()  # this process's CPU, its write-behind thread included
         ru0 = resource.getrusage(resource.RUSAGE_SELF)
+        t_start = time.time()
         t0 = time.perf_counter()
         for i, text in enumerate(texts):
             s = time.perf_counter_ns()
@@ -228,7 +220,7 @@ def _child(name: str, index: int, args: dict[str, Any], texts: list[str], barrie
         cpu = time.process_time() - c0 - check_cpu
         if client is not None:
             client.close()
-        out.put({"index": index, "lat_us": lat, "wall": wall, "t_end": t_end, "mismatches": bad,
+        out.put({"index": index, "lat_us": lat, "wall": wall, "t_start": t_start, "t_end": t_end, "mismatches": bad,
                  "stats": stats, "pid": os.getpid(), "cpu_s": cpu,
                  # The loop's voluntary context switches (every thread of the process): each is a
                  # wait (a lock, the GIL handed to another thread) and, with more processes than
@@ -309,13 +301,12 @@ def run_one(name: str, procs: int, args: argparse.Namespace, tok_dir: Path,
         if args.prime_mb:
             _prime(barrier, procs, children, args.prime_mb)
         barrier.wait(timeout=BARRIER_TIMEOUT_S)
-        start = time.time()
         server_cpu0 = _proc_cpu_s(server)
         results = [out.get(timeout=1800) for _ in children]
         server_cpu = _proc_cpu_s(server) - server_cpu0
     except Exception as exc:  # noqa: BLE001 - a broken barrier or a dead child: report it
         results = [{"error": f"{type(exc).__name__}: {exc}"}]
-        start, server_cpu = time.time(), 0.0
+        server_cpu = 0.0
     finally:
         for c in children:
             c.join(timeout=30)
@@ -327,8 +318,9 @@ def run_one(name: str, procs: int, args: argparse.Namespace, tok_dir: Path,
     if errors:
         return {"status": "failed", "reason": errors[0]}
     lat = [x for r in results for x in r["lat_us"]]
-    end = max(r["t_end"] for r in results)
-    wall = end - start
+    # The run's span as the clients saw it: the parent leaves the barrier with them but may be
+    # scheduled after a short run has ended (2 cores, P clients), so its own clock would not do.
+    wall = max(r["t_end"] for r in results) - min(r["t_start"] for r in results)
     writes, paths = _summed(results, "writes"), _summed(results, "paths")
     client_cpu = sum(r["cpu_s"] for r in results)
     return {"status": "ok", "requests": len(lat), "wall_s": wall, "req_per_s": len(lat) / wall,

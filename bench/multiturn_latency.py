@@ -35,11 +35,11 @@ follows every other about equally often, and each gets its own copy of the text 
 ``str``, as vLLM's renderer makes one per request). A contender pays for what ran before it:
 right after the ``tokenizers`` contender's 57 KB encode, the next native call's caches and the
 allocator's free lists are cold (measured here: a 1.5 KB fastokens encode went from 17 µs to
-340 µs), while right after another fastokens instance on the same text its code is warm. The
-fixed rotation this replaced (``--order rotate``) always ran fastokens+seg right after
-fastokens and tokcache after the SMG floor call. Every contender's ids
-are compared with ``tokenizers.Tokenizer.from_file(tokenizer.json).encode(text).ids``; a
-mismatch is reported on stderr at once and makes the script exit 1.
+340 µs), while right after another fastokens instance on the same text its code is warm. A
+fixed rotation would always run fastokens+seg right after fastokens and tokcache after the SMG
+floor call. Every contender's ids are compared with
+``tokenizers.Tokenizer.from_file(tokenizer.json).encode(text).ids``; a mismatch is reported on
+stderr at once and makes the script exit 1.
 
 Latency is client-observed: from the call until the caller holds a ``list[int]``.
 
@@ -81,6 +81,7 @@ from _contenders import (  # noqa: E402
     TokenizersContender,
 )
 from _plot import pyplot  # noqa: E402
+from _stats import percentile  # noqa: E402
 
 SHM_TARGET_BYTES = 128 * 1024
 SEGMENT_CACHE_BYTES = 64 << 20
@@ -107,17 +108,6 @@ class Entry:
     samples: list[Sample] = field(default_factory=list)
     checked_calls: int = 0
     mismatches: int = 0
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Linear-interpolated percentile (numpy's default), q in [0, 100]."""
-    if not values:
-        return float("nan")
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100.0
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
 def first_diff(a: list[int], b: list[int]) -> int:
@@ -167,8 +157,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="also run tokcache-no-heads: the in-process read with its heads off (what heads save)")
     ap.add_argument("--long", action="store_true",
                     help="1 conversation of 100 turns to ~800 KB; summary over the last 10 turns")
-    ap.add_argument("--order", choices=("shuffle", "rotate"), default="shuffle",
-                    help="contender order per turn: a seeded shuffle (default), or the fixed rotation")
     ap.add_argument("--out-dir", type=Path, default=HERE / "out")
     args = ap.parse_args(argv)
     if args.long:
@@ -311,11 +299,7 @@ def run(args: argparse.Namespace) -> int:
                         flush=True,
                     )
                 live = [e for e in active if e.status == "ok"]
-                if args.order == "rotate":
-                    k = step % len(live)
-                    order = live[k:] + live[:k]
-                else:
-                    order = random.Random(step).sample(live, len(live))
+                order = random.Random(step).sample(live, len(live))
                 step += 1
                 gc.collect()
                 for pos, e in enumerate(order):
@@ -470,8 +454,7 @@ def summarise(
             "tokenizer_name": args.tokenizer_name,
             "add_special_tokens": args.add_special_tokens,
             "quick": args.quick,
-            "order": ("rotating: turn step s runs contenders[s % n:] + contenders[:s % n]" if args.order == "rotate"
-                      else "shuffled: turn step s runs random.Random(s).sample(contenders, n)"),
+            "order": "shuffled: turn step s runs random.Random(s).sample(contenders, n)",
             "latency": "client-observed, from the call until a list[int] is held; one call per contender per turn",
             "summary_turns": f">= {args.summary_from}",
             "long": args.long,
@@ -520,7 +503,7 @@ def summarise(
         per_turn = []
         for t in range(1, turns + 1):
             vals = [s.ns / 1000 for s in e.samples if s.turn == t]
-            per_turn.append(percentile(vals, 50) if vals else None)
+            per_turn.append(percentile(vals, 50))
         res["contenders"][c.name] = {
             "label": c.label,
             "status": e.status,

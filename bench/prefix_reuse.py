@@ -439,17 +439,6 @@ class Sidecar:
                 pass
 
 
-def tokcache_support() -> str | None:
-    """None if the client can record outputs, else why not."""
-    try:
-        from sidecar_client import SidecarClient
-    except ImportError as exc:
-        return f"sidecar_client not importable: {exc}"
-    if not hasattr(SidecarClient, "record_output"):
-        return "SidecarClient.record_output does not exist yet"
-    return None
-
-
 # ---------------------------------------------------------------------------------------------
 # The replay
 # ---------------------------------------------------------------------------------------------
@@ -662,8 +651,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--no-tokcache", action="store_true", help="skip the sidecar path")
     ap.add_argument("--tokcache-mode", choices=("kv-stable", "exact"), default="kv-stable",
                     help="Tokenize mode of the tokcache path (exact = negative control: no AR splicing)")
-    ap.add_argument("--allow-missing-tokcache", action="store_true",
-                    help="exit 0 when the tokcache path is unavailable (client has no record_output)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "out")
     ns = ap.parse_args(argv)
     n_conv = ns.conversations or (1 if ns.quick else 3)
@@ -679,7 +666,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     log(f"prefix_reuse: {n_conv} conversation(s) x {n_turns} turns, rates {[rate_label(r) for r in RATES]}, "
         f"blocks {list(BLOCK_SIZES)}, tokenizer {qdir}")
 
-    why_not = "disabled (--no-tokcache)" if ns.no_tokcache else tokcache_support()
+    why_not = "disabled (--no-tokcache)" if ns.no_tokcache else None
     sidecar: Sidecar | None = None
     client: Any | None = None
     if why_not is None:
@@ -711,23 +698,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     rewritten += g.rewritten
                     total += len(g.canonical)
                     kinds.update(g.by_kind)
-                rep = None
-                if client is not None:
-                    try:
-                        rep = replay(q, conv, ci, rate, gens, client, salt=f"prefix-reuse-{run_tag}-c{ci}-r{rate}",
-                                     mode=ns.tokcache_mode)
-                    except Exception as exc:  # noqa: BLE001
-                        from sidecar_client import TokcacheError
-
-                        if isinstance(exc, TokcacheError) and "UNIMPLEMENTED" in str(getattr(exc, "code", "")):
-                            why_not = f"server does not implement an RPC: {exc}"
-                            log(f"tokcache path unavailable: {why_not}")
-                            client.close()
-                            client = None
-                        else:
-                            raise
-                if rep is None:
-                    rep = replay(q, conv, ci, rate, gens, None, salt="")
+                salt = f"prefix-reuse-{run_tag}-c{ci}-r{rate}" if client is not None else ""
+                rep = replay(q, conv, ci, rate, gens, client, salt=salt, mode=ns.tokcache_mode)
                 replays.append(rep)
                 log(f"  rate {rate_label(rate):>5} conv {ci}: {n_turns} turns, sources {dict(rep.sources) or '-'}"
                     f"{', refusals ' + str(len(rep.refusals)) if rep.refusals else ''}"
@@ -819,8 +791,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"  {x}")
 
     shortfall = [row for row in rows if row["tokcache_share"] is not None and row["tokcache_share"] < TARGET]
-    ok = not shortfall and not mismatches and not violations and not refusals and (have_tc or ns.allow_missing_tokcache
-                                                                                   or ns.no_tokcache)
+    ok = not shortfall and not mismatches and not violations and not refusals and (have_tc or ns.no_tokcache)
     ns.out.mkdir(parents=True, exist_ok=True)
     result = {
         "benchmark": "prefix_reuse",
@@ -848,8 +819,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if shortfall:
         log(f"FAIL: tokcache below {100 * TARGET:.1f}% of the limit: "
             + ", ".join(f"rate {r['rate_label']} block {r['block_size']}" for r in shortfall))
-    if not have_tc and not (ns.allow_missing_tokcache or ns.no_tokcache):
-        log("FAIL: tokcache path unavailable (use --allow-missing-tokcache to accept)")
+    if not have_tc and not ns.no_tokcache:
+        log(f"FAIL: tokcache path unavailable ({why_not})")
     return 0 if ok else 1
 
 

@@ -36,6 +36,7 @@ if str(ROOT) not in sys.path:
 
 import grpc  # noqa: E402
 
+from bench._stats import percentile  # noqa: E402
 from tests.stress.harness import (  # noqa: E402
     Item,
     SidecarProc,
@@ -130,11 +131,11 @@ class Soak:
                         self.wrong += 1
 
 
-def _pct(values: list[float], q: float) -> float:
-    if not values:
-        return 0.0
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))]
+def _ms(values: list[float], q: float) -> float:
+    """The ``q``-th percentile of ``values`` (seconds) in ms; 0 for none (a window in which no
+    request finished plots at 0, where the requests-per-second line shows it too)."""
+    p = percentile(values, q)
+    return 1e3 * p if p is not None else 0.0
 
 
 def server_latency(port: int) -> dict[str, Any]:
@@ -242,8 +243,8 @@ def main() -> int:
                         "requests": soak.ok + soak.wrong,
                         "errors": soak.errors,
                         "wrong": soak.wrong,
-                        "window_p50_ms": 1e3 * _pct(window, 0.5),
-                        "window_p99_ms": 1e3 * _pct(window, 0.99),
+                        "window_p50_ms": _ms(window, 50),
+                        "window_p99_ms": _ms(window, 99),
                         "window_rps": len(window) / args.sample,
                     }
                 sample.update({
@@ -292,8 +293,8 @@ def main() -> int:
         "errors": soak.errors,
         "wrong_answers": soak.wrong,
         "error_examples": soak.error_examples,
-        "latency_ms": {"p50": 1e3 * _pct(lat, 0.5), "p90": 1e3 * _pct(lat, 0.9), "p99": 1e3 * _pct(lat, 0.99),
-                       "p999": 1e3 * _pct(lat, 0.999), "max": 1e3 * max(lat, default=0.0),
+        "latency_ms": {"p50": _ms(lat, 50), "p90": _ms(lat, 90), "p99": _ms(lat, 99), "p999": _ms(lat, 99.9),
+                       "max": 1e3 * max(lat, default=0.0),
                        "mean": 1e3 * statistics.fmean(lat) if lat else 0.0},
         "server_side_tokenize": server_side,
         "sources": soak.sources,

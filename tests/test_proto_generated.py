@@ -7,12 +7,20 @@ import re
 import sys
 from pathlib import Path
 
+from packaging.requirements import Requirement
+from packaging.version import Version
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:
+    import tomli as tomllib
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # What protoc and its gRPC plugin stamp with their own version, not the proto's content: the
 # grpcio the stubs ask for at import, the protobuf runtime the messages check, and a comment.
-# A new grpcio-tools on PyPI changes them (1.85.1 -> 1.85.4 did, between two stops), and a
-# clean install gets the newest: compared byte for byte, every CI run after such a release
+# A new grpcio-tools on PyPI changes them (1.85.1 -> 1.85.4 did), and a clean install gets
+# the newest: compared byte for byte, every CI run after such a release
 # failed until someone regenerated. The committed stamps are the floors pyproject.toml states.
 _STAMPS = [
     re.compile(r"^GRPC_GENERATED_VERSION = '([0-9.]+)'$", re.M),
@@ -28,16 +36,16 @@ def _content(path: Path) -> str:
     return text
 
 
-def _floor(requirement: str) -> tuple[int, ...]:
-    """The version a ``name>=x.y.z`` dependency of pyproject.toml states."""
-    pyproject = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
-    m = re.search(rf'"{re.escape(requirement)}>=([0-9.]+)"', pyproject)
-    assert m, f"pyproject.toml states no floor for {requirement}"
-    return _version(m.group(1))
-
-
-def _version(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.split("."))
+def _floor(name: str) -> Version:
+    """The ``>=`` bound of pyproject.toml's dependency on ``name``."""
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    for dependency in pyproject["project"]["dependencies"]:
+        requirement = Requirement(dependency)
+        if requirement.name == name:
+            floors = [Version(s.version) for s in requirement.specifier if s.operator == ">="]
+            assert len(floors) == 1, f"pyproject.toml: {dependency!r} states no single floor"
+            return floors[0]
+    raise AssertionError(f"pyproject.toml does not depend on {name}")
 
 
 def test_regenerating_changes_nothing(tmp_path: Path) -> None:
@@ -64,11 +72,11 @@ def test_the_stamps_are_what_the_dependencies_promise() -> None:
     grpc_py = (ROOT / "client" / "tokcache" / "v1" / "tokenizer_pb2_grpc.py").read_text(encoding="utf-8")
     m = _STAMPS[0].search(grpc_py)
     assert m
-    assert _floor("grpcio") >= _version(m.group(1))
+    assert _floor("grpcio") >= Version(m.group(1))
     pb2 = (ROOT / "client" / "tokcache" / "v1" / "tokenizer_pb2.py").read_text(encoding="utf-8")
     m = re.search(r"ValidateProtobufRuntimeVersion\(\s*\S+,\s*(\d+),\s*(\d+),\s*(\d+),", pb2)
     assert m
-    assert _floor("protobuf") >= tuple(int(x) for x in m.groups())
+    assert _floor("protobuf") >= Version(".".join(m.groups()))
     # The stamps themselves are still found (else the comparison above ignores nothing).
     for stamp, text in ((_STAMPS[0], grpc_py), (_STAMPS[1], pb2), (_STAMPS[2], pb2)):
         assert stamp.search(text), stamp.pattern

@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from sidecar_client import _models, _validate
+from sidecar_client._fingerprint import find_tokenizer_json
 from sidecar_client._models import TokenizeResult, local_result
 from sidecar_client._telemetry import trace_local
 from sidecar_client.errors import InvalidArgumentError, ResourceExhaustedError
@@ -62,7 +63,7 @@ from tokcache.store._layout import RETIRED_MARK, W_RETIRED
 from tokcache.store.keys import output_key, pending_key
 
 __all__ = ["MIN_WRITE_BYTES", "LocalModel", "LocalPaths", "LocalStats", "LocalUnavailable", "OpenJob",
-           "RecordPending", "find_tokenizer_json"]
+           "RecordPending"]
 
 log = logging.getLogger("sidecar_client.local")
 
@@ -158,19 +159,6 @@ class LocalStats:
 
 Learn = Callable[[str, str, str, str], None]
 """learn(model, text, salt, mode): ask the sidecar to tokenize (and so store) ``text``; must not block."""
-
-
-def find_tokenizer_json(*candidates: str | Path | None) -> Path | None:
-    """The first candidate that is a tokenizer.json file or a directory holding one."""
-    for c in candidates:
-        if not c:
-            continue
-        p = Path(c)
-        if p.is_dir():
-            p = p / "tokenizer.json"
-        if p.is_file():
-            return p
-    return None
 
 
 def _served_key(text: str, salt: str) -> tuple[int, str, str]:

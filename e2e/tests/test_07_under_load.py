@@ -58,7 +58,7 @@ def test_three_rounds_of_concurrent_conversations_lose_no_ids(plugin: VllmServer
     waits = timing(m0, m1, "tokcache_vllm_response_wait_seconds")
     exact = sum(t.exact for t in every)
     lines += [f"{'all':>5} {exact:>4}/{LATER}  ({exact + ROUNDS * CONVS}/{PROMPTS} counting every conversation's "
-              "first turn as the issue did)",
+              "first turn)",
               f"prompts served {served} ({100 * served.get('local', 0) / PROMPTS:.0f}% locally, in vLLM's process), "
               f"fallbacks {fallbacks}, breaker opens {opens:.0f}, "
               f"records {labelled(m1, m0, 'records', 'result')}",

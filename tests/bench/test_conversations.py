@@ -12,8 +12,6 @@ sys.path.insert(0, str(BENCH))
 
 import conversations  # noqa: E402
 
-pytest.importorskip("transformers")
-
 
 @pytest.fixture(scope="module")
 def render(qwen3_path: Path) -> conversations.Renderer:

@@ -16,19 +16,10 @@ SCRIPT = ROOT / "bench" / "prefix_reuse.py"
 Run = tuple[subprocess.CompletedProcess[str], dict[str, Any], Path]
 
 
-def _client_records() -> bool:
-    sys.path.insert(0, str(ROOT / "client"))
-    from sidecar_client import SidecarClient
-
-    return hasattr(SidecarClient, "record_output")
-
-
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
     out = tmp_path_factory.mktemp("prefix_reuse")
     cmd = [sys.executable, str(SCRIPT), "--quick", "--out", str(out)]
-    if not _client_records():
-        cmd.append("--allow-missing-tokcache")
     pythonpath = os.pathsep.join([str(ROOT), str(ROOT / "client"), os.environ.get("PYTHONPATH", "")])
     env = {**os.environ, "PYTHONPATH": pythonpath}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
@@ -72,8 +63,7 @@ def test_json_content(run: Run) -> None:
 def test_tokcache_reaches_the_limit(run: Run) -> None:
     _, data, _ = run
     tc = data["tokcache"]
-    if not tc["available"]:
-        pytest.skip(f"tokcache path unavailable: {tc['reason']}")
+    assert tc["available"], tc["reason"]
     assert tc["refusals"] == []
     for r in data["rows"]:
         assert r["tokcache"] is not None and r["tokcache_share"] >= 0.999, r

@@ -13,8 +13,8 @@ client against a real sidecar:
   into the caller's arguments, or — when the garbage happens to be well-formed —
   a normal result (or a refusal by the sidecar, naming a field the same way).
 
-Then each example of the issue, and what the sidecar answers a raw gRPC client
-that sends the same shapes.
+Then named examples of each kind of malformed argument, and what the sidecar
+answers a raw gRPC client that sends the same shapes.
 """
 
 from __future__ import annotations
@@ -735,7 +735,7 @@ def test_default_client_text_arguments(sidecar: SidecarProcess) -> None:
             assert exc.value.field == next(iter(args)), args
 
 
-# --------------------------------------------------------------------------- the issue's examples
+# --------------------------------------------------------------------------- named examples
 
 
 def _refused(call: Call, method: str, **args: Any) -> InvalidArgumentError:
@@ -744,7 +744,7 @@ def _refused(call: Call, method: str, **args: Any) -> InvalidArgumentError:
     return exc.value
 
 
-def test_issue_examples(call: Call) -> None:
+def test_named_examples_name_their_field(call: Call) -> None:
     hi = {"role": "user", "content": "hi"}
     e = _refused(call, "tokenize", model=MODEL, messages=[{"role": ["user"], "content": "hi"}])  # was TypeError
     assert e.field == "messages[0].role" and e.code is None

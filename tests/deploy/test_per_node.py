@@ -17,6 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import kubernetes_validate as kv
 import pytest
 
 from tests.deploy.test_manifests import (
@@ -31,8 +32,6 @@ from tests.deploy.test_manifests import (
     render,
 )
 from tokcache.sidecar.config import Config, load_config
-
-yaml = pytest.importorskip("yaml")
 
 NODE_LABEL = {"tokcache.io/node-cache": "true"}
 SHM_DIR, SOCKET_DIR = "/dev/shm/tokcache", "/run/tokcache"
@@ -78,7 +77,6 @@ def _config(objs: list[Obj], env: dict[str, str], tmp: Path) -> Config:
 
 @pytest.mark.parametrize("version", _schema_versions())
 def test_objects_match_kubernetes_schemas(objs: list[Obj], version: str) -> None:
-    kv = pytest.importorskip("kubernetes_validate")
     for obj in objs:
         try:
             kv.validate(obj, version, strict=True)

@@ -334,12 +334,13 @@ def _chat(text: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": text}]
 
 
-# The issue this answers: 3.6 MB with timeout=0.005 came back OK after 0.154 s on the stream
-# (the sync watchdog polled every 0.5 s while idle); the unary call raised at 0.009 s.
-# A call with the deadline must give up well before the sidecar could have answered it. That is
-# measured against the same client's undeadlined calls of the same size, interleaved, as a ratio of
-# medians: a fixed bound (0.1 s) failed once at 0.1035 s on a loaded machine, where every call was
-# slow. Here the deadlined calls take ~20 ms (mostly sending 3.6 MB) and full ones 100-160 ms.
+# A stream call must honour its deadline as a unary call does: with a watchdog that polled every
+# 0.5 s while idle, 3.6 MB with timeout=0.005 came back OK after 0.154 s on the stream, where the
+# unary call raised at 0.009 s. A call with the deadline must give up well before the sidecar
+# could have answered it. That is measured against the same client's undeadlined calls of the
+# same size, interleaved, as a ratio of medians: a fixed bound (0.1 s) failed once at 0.1035 s on
+# a loaded machine, where every call was slow. Here the deadlined calls take ~20 ms (mostly
+# sending 3.6 MB) and full ones 100-160 ms.
 DEADLINE_S = 0.005
 DEADLINE_SHARE = 0.5
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 
 from sidecar_client import SidecarClient, TokcacheError
 from tests.ar_helpers import noncanonical
@@ -27,8 +28,6 @@ from tests.redis_servers import RedisCluster, RedisServer, free_port, need_redis
 from tokcache.sidecar.engine.model import ModelEngine
 from tokcache.sidecar.tier import encode_value
 from tokcache.store.keys import MODE_KV_STABLE, segment_key
-
-redis = pytest.importorskip("redis")
 
 EOS = 151645
 ANSWERS = ["Step one:\n\n    run `make`\n\n", "Result: 100 passed\n\n\n  ok", "完成了。\n\n🎉 Done.",

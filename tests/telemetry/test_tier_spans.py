@@ -23,8 +23,6 @@ from tokcache.sidecar.tier import ArTier, TierUrl
 from tokcache.store import Store
 from tokcache.v1 import tokenizer_pb2_grpc as pb_grpc
 
-pytest.importorskip("redis")
-
 
 @pytest.fixture
 def redis_node(tmp_path: Path) -> Iterator[RedisServer]:

@@ -42,10 +42,10 @@ from sidecar_client.errors import (
     TokcacheError,
     UnknownModelError,
 )
-from sidecar_client.vllm._breaker import BreakerState, CircuitBreaker
 from sidecar_client.vllm._config import ENV, PluginConfig
 from sidecar_client.vllm._recorder import PendingRecord
 from sidecar_client.vllm._stats import PluginStats
+from tokcache.breaker import BreakerState, CircuitBreaker
 
 __all__ = ["CHANNEL_OPTIONS", "HandshakeState", "LinkStatus", "Served", "SidecarLink"]
 

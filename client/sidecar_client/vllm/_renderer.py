@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 import vllm  # type: ignore[import-not-found,unused-ignore]
 from vllm.renderers.hf import HfRenderer  # type: ignore[import-not-found,unused-ignore]
 
+from sidecar_client._fingerprint import find_tokenizer_json, fingerprint_file
 from sidecar_client.vllm._config import PluginConfig, PluginConfigError, check_vllm_version
-from sidecar_client.vllm._fingerprint import find_tokenizer_json, fingerprint_file
 from sidecar_client.vllm._runtime import PluginRuntime
 from sidecar_client.vllm._stats import install_prometheus
 from sidecar_client.vllm._trace import current_trace, install_into_vllm
@@ -62,9 +62,8 @@ def _make_runtime(config: VllmConfig, tokenizer: Any) -> PluginRuntime | None:
     if getattr(model_config, "is_encoder_decoder", False):
         log.info("tokcache: encoder-decoder model; the sidecar is not used")
         return None
-    path = find_tokenizer_json(tokenizer, getattr(model_config, "tokenizer", None),
-                               getattr(model_config, "model", None),
-                               revision=getattr(model_config, "tokenizer_revision", None))
+    path = find_tokenizer_json(getattr(model_config, "tokenizer", None), getattr(model_config, "model", None),
+                               tokenizer=tokenizer, revision=getattr(model_config, "tokenizer_revision", None))
     fingerprint = fingerprint_file(path) if path is not None else None
 
     def decode(ids: list[int]) -> str:

@@ -17,17 +17,18 @@ from typing import Any
 
 import jinja2
 import pytest
+import transformers
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from packaging.version import Version
 
 from tokcache.engine.errors import InvalidRequest, TemplateError
 from tokcache.sidecar.bundled import llama32_dir
 from tokcache.sidecar.engine.render import ChatRenderer, TemplateContext
 
-transformers = pytest.importorskip("transformers")
 # The renderer follows transformers 5.21+, which needs Python 3.11; on 3.10 pip installs 5.20,
 # whose templates see content=None, reasoning aliases and sandbox errors differently.
-OLD_REFERENCE = tuple(int(x) for x in transformers.__version__.split(".")[:2]) < (5, 21)
+OLD_REFERENCE = Version(transformers.__version__) < Version("5.21")
 
 Messages = list[dict[str, Any]]
 Outcome = tuple[str, str]

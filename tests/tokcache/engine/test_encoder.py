@@ -8,8 +8,6 @@ import pytest
 
 from tokcache.engine.encoder import FastokensEncoder, TokenizersEncoder
 
-pytest.importorskip("fastokens")
-
 
 def test_fastokens_segment_cache_stays_off_whatever_the_environment(
         qwen3_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

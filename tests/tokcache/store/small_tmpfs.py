@@ -10,6 +10,7 @@ of a process inside, or by running under ``nsenter --mount=/proc/<pid>/ns/mnt``.
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import shutil
@@ -64,3 +65,23 @@ def run_child(size: str, scenario: str, *args: str, timeout: float = 300) -> sub
     cmd = [sys.executable, "-m", "tests.tokcache.store.small_tmpfs_child", scenario, *args]
     return subprocess.run(in_small_tmpfs(size, cmd), capture_output=True, text=True, timeout=timeout,
                           cwd=ROOT, env=python_env())
+
+
+def fill(path: str | os.PathLike[str]) -> int:
+    """Grow the file at ``path`` until its tmpfs has no free page left (as another process
+    would); returns the bytes it holds."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        size = os.fstat(fd).st_size
+        for chunk in (1 << 20, 64 << 10, 4 << 10):
+            while True:
+                try:
+                    os.posix_fallocate(fd, size, chunk)
+                except OSError as exc:
+                    if exc.errno != errno.ENOSPC:
+                        raise
+                    break
+                size += chunk
+        return size
+    finally:
+        os.close(fd)

@@ -9,7 +9,6 @@ real tmpfs; nothing is mocked.
 
 from __future__ import annotations
 
-import errno
 import json
 import mmap
 import multiprocessing
@@ -22,6 +21,7 @@ from typing import Any
 
 import posix_ipc
 
+from tests.tokcache.store.small_tmpfs import fill
 from tests.tokcache.store.store_helpers import FINGERPRINT, ids_of, key
 from tokcache.store import Kind, SegmentFull, Store, StoreReader, _layout, segment_name, usable_size
 from tokcache.store._log import Log
@@ -31,26 +31,6 @@ PREFIX = "tksmall"
 NAME = segment_name(PREFIX, FINGERPRINT)
 FILLER = os.path.join(SHM_DIR, "filler")
 N_IDS = 2000  # 6 KB a record at 3 bytes an id
-
-
-def fill(path: str = FILLER) -> int:
-    """Grow ``path`` until the tmpfs has no free page left (as another process would);
-    returns the bytes it holds."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        size = os.fstat(fd).st_size
-        for chunk in (1 << 20, 64 << 10, 4 << 10):
-            while True:
-                try:
-                    os.posix_fallocate(fd, size, chunk)
-                except OSError as exc:
-                    if exc.errno != errno.ENOSPC:
-                        raise
-                    break
-                size += chunk
-        return size
-    finally:
-        os.close(fd)
 
 
 def free_bytes() -> int:
@@ -117,14 +97,14 @@ def runtime_full() -> dict[str, Any]:
     store = Store.open(prefix=PREFIX, fingerprint=FINGERPRINT, size=4 << 20, id_bytes=3)
     out["resident_at_open"], out["size"] = store.resident_bytes(), store.size
     # 1. Allocated whole at creation: a full tmpfs changes nothing.
-    out["filler_1"] = fill()
+    out["filler_1"] = fill(FILLER)
     out["free_1"] = free_bytes()
     out["stored_1"] = sum(put(store, "p1", i) for i in range(1500))
     # 2. Memory pressure gives pages back; the filler takes them too; pressure ends and the
     #    log grows back into pages the tmpfs cannot allocate: evictions, or SegmentFull.
     store.shrink(0)
     out["resident_shrunk"] = store.resident_bytes()
-    out["filler_2"] = fill()
+    out["filler_2"] = fill(FILLER)
     store.set_soft_cap(None)
     before = store.stats().pressure_evictions
     stored = full = 0
@@ -140,7 +120,7 @@ def runtime_full() -> dict[str, Any]:
     # 3. A record larger than all the live log's pages: SegmentFull, nothing written, and the
     #    store goes on (the pages freed trying are there for the next put).
     store.shrink(0)
-    fill()
+    fill(FILLER)
     store.set_soft_cap(None)
     try:
         out["big"] = "stored" if put(store, "big", 0, n=200_000) else "refused"
@@ -236,7 +216,7 @@ def readers() -> dict[str, Any]:
         out["b_created"] = not b.attached_existing
         out["a_retired"] = a.replaced
         a.close()
-        out["filler"] = fill()
+        out["filler"] = fill(FILLER)
         out["old_after_replace"] = ask("check", ("a", 300, 200))
         # The new segment: the reader attaches it and holds slots and tail of 300 records...
         os.unlink(FILLER)
@@ -246,7 +226,7 @@ def readers() -> dict[str, Any]:
         out["snapshot"] = ask("snapshot", "b")
         # ...when the writer evicts them and gives their pages back, and the tmpfs fills up.
         out["shrink"] = b.shrink(0)._asdict()
-        out["filler_2"] = fill()
+        out["filler_2"] = fill(FILLER)
         out["free"] = free_bytes()
         out["released"] = ask("read_released")
         out["stop"] = ask("stop")
@@ -290,7 +270,7 @@ def restart() -> dict[str, Any]:
         put(first, "r2", i)
     first.shrink(0)
     first.close()
-    out["filler"] = fill()
+    out["filler"] = fill(FILLER)
     second = Store.open(prefix=PREFIX, fingerprint=FINGERPRINT, size=4 << 20, id_bytes=3)
     out["warm"] = second.attached_existing
     before = second.stats().pressure_evictions

@@ -1,9 +1,10 @@
-"""The tokenizer fingerprint of vLLM's own tokenizer, computed as the sidecar does.
+"""A client's copy of a tokenizer: where its ``tokenizer.json`` is, and its fingerprint.
 
 The sidecar identifies a tokenizer by ``sha256(tokenizer.json bytes).hexdigest()[:32]``
 (``tokcache.sidecar.engine.model.fingerprint_of``); this module repeats that formula
-without importing the server package, and finds the ``tokenizer.json`` vLLM
-loaded: a local model directory, or the Hugging Face hub cache.
+without importing the server package. The in-process read path and the vLLM plugin
+both find the ``tokenizer.json`` here: a file or directory they were given, the
+directory a loaded tokenizer came from, or the Hugging Face hub cache.
 """
 
 from __future__ import annotations
@@ -23,29 +24,32 @@ def fingerprint_file(path: Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:32]
 
 
-def _candidate_dirs(tokenizer: Any, names: Iterable[str | None]) -> list[Path]:
-    dirs: list[Path] = []
+def _candidates(tokenizer: Any, names: Iterable[str | Path | None]) -> list[Path]:
+    """Paths that may be a tokenizer.json or a directory holding one, in order."""
+    paths: list[Path] = []
     for name in (*names, getattr(tokenizer, "name_or_path", None)):
-        if isinstance(name, str) and name:
-            dirs.append(Path(name).expanduser())
+        if isinstance(name, Path) or (isinstance(name, str) and name):
+            paths.append(Path(name).expanduser())
     # transformers keeps the resolved paths of the files it loaded (vocab.json etc.)
     init_kwargs = getattr(tokenizer, "init_kwargs", None)
     if isinstance(init_kwargs, dict):
         for key in ("tokenizer_file", "vocab_file", "merges_file"):
             value = init_kwargs.get(key)
             if isinstance(value, str) and value:
-                dirs.append(Path(value).parent)
-    return dirs
+                paths.append(Path(value).parent)
+    return paths
 
 
-def find_tokenizer_json(tokenizer: Any, *names: str | None, revision: str | None = None) -> Path | None:
-    """The ``tokenizer.json`` behind ``tokenizer`` (vLLM's HF tokenizer), or None.
+def find_tokenizer_json(*names: str | Path | None, tokenizer: Any = None, revision: str | None = None) -> Path | None:
+    """The first ``tokenizer.json`` found for ``names`` and ``tokenizer``, or None.
 
-    ``names`` are what vLLM was given (``model_config.tokenizer``, the model
-    path); a hub id is looked up in the local hub cache only (no download).
+    ``names``, in order: a path to the file itself or to a directory holding it, or a
+    hub id, looked up in the local hub cache only (no download; None and "" are
+    skipped). ``tokenizer`` (a transformers tokenizer, e.g. vLLM's) adds the directory
+    it was loaded from. Reads only the file system; never raises for a missing path.
     """
-    for d in _candidate_dirs(tokenizer, names):
-        f = d / TOKENIZER_FILE
+    for p in _candidates(tokenizer, names):
+        f = p / TOKENIZER_FILE if p.is_dir() else p
         if f.is_file():
             return f
     for name in (*names, getattr(tokenizer, "name_or_path", None)):

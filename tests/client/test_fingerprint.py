@@ -1,4 +1,4 @@
-"""The plugin's fingerprint of vLLM's tokenizer equals the server's, and finding tokenizer.json."""
+"""A client's fingerprint of a tokenizer equals the server's, and finding tokenizer.json."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from sidecar_client.vllm._fingerprint import find_tokenizer_json, fingerprint_file
+from sidecar_client._fingerprint import find_tokenizer_json, fingerprint_file
 from tokcache.sidecar.engine.model import fingerprint_of
 
 
@@ -26,19 +26,30 @@ def test_different_tokenizers_differ(qwen3_path: Path, llama32_path: Path) -> No
 def test_find_in_the_model_directory(tmp_path: Path, qwen3_path: Path) -> None:
     shutil.copy(qwen3_path / "tokenizer.json", tmp_path / "tokenizer.json")
     tok = SimpleNamespace(name_or_path="not-a-dir", init_kwargs={})
-    assert find_tokenizer_json(tok, str(tmp_path)) == tmp_path / "tokenizer.json"
-    assert find_tokenizer_json(SimpleNamespace(name_or_path=str(tmp_path))) == tmp_path / "tokenizer.json"
+    assert find_tokenizer_json(str(tmp_path), tokenizer=tok) == tmp_path / "tokenizer.json"
+    assert find_tokenizer_json(tokenizer=SimpleNamespace(name_or_path=str(tmp_path))) == tmp_path / "tokenizer.json"
 
 
 def test_find_next_to_the_files_transformers_loaded(tmp_path: Path, qwen3_path: Path) -> None:
     shutil.copy(qwen3_path / "tokenizer.json", tmp_path / "tokenizer.json")
     tok = SimpleNamespace(name_or_path="some/repo-id", init_kwargs={"vocab_file": str(tmp_path / "vocab.json")})
-    assert find_tokenizer_json(tok) == tmp_path / "tokenizer.json"
+    assert find_tokenizer_json(tokenizer=tok) == tmp_path / "tokenizer.json"
 
 
 def test_nothing_to_fingerprint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     tok = SimpleNamespace(name_or_path=str(tmp_path), init_kwargs={})  # a dir without tokenizer.json
-    assert find_tokenizer_json(tok, str(tmp_path)) is None
-    assert find_tokenizer_json(object(), "org/never-downloaded-model") is None  # hub id, not in the cache
+    assert find_tokenizer_json(str(tmp_path), tokenizer=tok) is None
+    assert find_tokenizer_json("org/never-downloaded-model", tokenizer=object()) is None  # hub id, not cached
+    assert find_tokenizer_json(None, "") is None
+
+
+def test_find_a_file_or_a_directory_given(tmp_path: Path, qwen3_path: Path) -> None:
+    """What a client is given (``tokenizers={model: path}``): the file itself, under any name,
+    or its directory; the first that exists wins."""
+    own = tmp_path / "qwen3-tokenizer.json"
+    shutil.copy(qwen3_path / "tokenizer.json", own)
+    assert find_tokenizer_json(own) == own
+    assert find_tokenizer_json(tmp_path / "missing", qwen3_path) == qwen3_path / "tokenizer.json"
+    assert find_tokenizer_json(None, str(qwen3_path)) == qwen3_path / "tokenizer.json"

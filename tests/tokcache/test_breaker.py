@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sidecar_client.vllm._breaker import CircuitBreaker
+from tokcache.breaker import CircuitBreaker
 
 
 class Clock:
