@@ -118,8 +118,8 @@ def main() -> int:
     import tokenizers
 
     from sidecar_client import SidecarClient
-    from tokcache.sidecar.engine.render import ChatRenderer
     from tokcache.engine.tokenbytes import TokenBytes
+    from tokcache.sidecar.engine.render import ChatRenderer
 
     model_dir = qwen3_dir()
     tmp = Path(tempfile.mkdtemp(prefix="tokcache-demo-"))

@@ -323,7 +323,8 @@ class LocalModel:
             self._served[key] = served
             out = self._served.popitem(last=False)[1] if len(self._served) > SERVED_MAX else None
         for gone in (old, out):
-            if gone is not None and gone is not served and gone.write is not None and gone.write.decision.stored is None:
+            if (gone is not None and gone is not served and gone.write is not None
+                    and gone.write.decision.stored is None):
                 self._store_read(gone.write, gone.text, gone.salt, gone.mode)
 
     def _store_read(self, write: PendingWrite[Chunks], text: str, salt: str, mode: str) -> None:

@@ -46,7 +46,8 @@ from sidecar_client.errors import InvalidArgumentError
 from tokcache.ids import le_bytes
 
 __all__ = ["MAX_JSON_DEPTH", "MODES", "RECORD_FIELDS", "TYPED_MESSAGE_KEYS", "chat", "json_value", "key_path",
-           "model_name", "record", "record_here", "record_item", "record_options", "records", "string", "timeout", "token_ids", "tokenize"]
+           "model_name", "record", "record_here", "record_item", "record_options", "records", "string", "timeout",
+           "token_ids", "tokenize"]
 
 MODES = ("kv-stable", "exact")
 # sidecar/wire.py MAX_JSON_DEPTH, counted the same way: the top-level JSON value is depth 1.

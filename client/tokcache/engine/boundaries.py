@@ -446,6 +446,16 @@ class BoundaryScanner:
         would: it supersedes its base. Returns it."""
         return self._keep(scan, scan.base)
 
+    def find_spans(self, data: bytes) -> list[tuple[int, int]]:
+        """(start, end) of each boundary token in ``data``, ascending: one scan, nothing filed
+        (a recorded output's pieces: not a text a later one extends)."""
+        if self._pattern is None:
+            return []
+        if self._matcher is not None:
+            spans, _tail, _kept, _stable = self._matcher.scan(data, 0, max(0, len(data) - self._maxlen + 1))
+            return list(spans)
+        return [m.span() for m in self._pattern.finditer(data) if m.group() in self._boundaries]
+
     def cuts(self, data: bytes) -> list[int]:
         """Offsets in ``data`` right after each boundary token, ascending."""
         return [end for _, end in self.spans(data)]

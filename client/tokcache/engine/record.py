@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import json
 import threading
-from array import array
+from bisect import bisect_left
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,7 +44,7 @@ from tokcache.engine.ids import LISTS, Chunks, IdFormat, Ids, Out
 from tokcache.engine.lookup import Lookup, PendingWrite, ReadModel, utf8
 from tokcache.engine.memo import ChainMemo
 from tokcache.engine.tokenbytes import TokenBytes
-from tokcache.ids import le_bytes, pack_ids, unpack_ids
+from tokcache.ids import pack_ids, unpack_ids
 from tokcache.store import F_SEGMENT, Kind, RecordRef, Store, StoreError
 from tokcache.store.keys import MODE_KV_STABLE, l0_key, output_key, segment_key
 
@@ -151,7 +151,7 @@ def verify_segment(text: bytes, ids: list[int], *, vocab_size: int, decode: Call
 
 
 def segment_variants(output_text: str, ids: list[int], token_bytes: TokenBytes | None,
-                     boundary_spans: Sequence[tuple[int, int]] = ()) -> list[Segment]:
+                     boundary_spans: Sequence[tuple[int, int]] = (), data: bytes | None = None) -> list[Segment]:
     """The segment keys of a verified output.
 
     The output is cut at its own boundary tokens (``<think>``, ``</think>``,
@@ -159,18 +159,25 @@ def segment_variants(output_text: str, ids: list[int], token_bytes: TokenBytes |
     boundaries: each piece of the output, and its whitespace-trimmed forms
     (``lstrip("\\n")``, ``strip()`` … — what templates do to history), is
     keyed where its ends fall on token boundaries of the generated ids.
-    ``boundary_spans`` are byte offsets in the UTF-8 output. Without a byte
-    table only the whole output is keyed.
+    ``boundary_spans`` are byte offsets in the UTF-8 output (``data``, when the
+    caller has it). Without a byte table only the whole output is keyed.
     """
     whole = Segment(output_text, 0, len(ids))
     if token_bytes is None or not output_text:
         return [whole] if output_text else []
-    data = output_text.encode("utf-8")
+    if data is None:
+        data = output_text.encode("utf-8")
     offsets = token_bytes.offsets(ids)
     if offsets is None or offsets[-1] != len(data):
         return [whole]
-    index = {off: k + 1 for k, off in enumerate(offsets)}
-    index[0] = 0
+
+    def token_at(off: int) -> int:
+        """How many tokens end exactly at byte ``off`` (-1: it falls inside a token)."""
+        if off == 0:
+            return 0
+        k = bisect_left(offsets, off)
+        return k + 1 if k < len(offsets) and offsets[k] == off else -1
+
     pieces: list[tuple[int, int]] = []
     a = 0
     for s, e in boundary_spans:
@@ -184,14 +191,19 @@ def segment_variants(output_text: str, ids: list[int], token_bytes: TokenBytes |
             continue
         heads = {0, len(piece) - len(piece.lstrip("\n")), len(piece) - len(piece.lstrip())}
         tails = {len(piece), len(piece.rstrip())}
+        ascii_piece = piece.isascii()  # then character offsets are byte offsets
         for h in heads:
             for t in tails:
                 if h < t:
-                    spans.add((a + len(piece[:h].encode("utf-8")), a + len(piece[:t].encode("utf-8"))))
+                    if ascii_piece:
+                        spans.add((a + h, a + t))
+                    else:
+                        spans.add((a + len(piece[:h].encode("utf-8")), a + len(piece[:t].encode("utf-8"))))
     out: list[Segment] = []
     for a, b in sorted(spans):
-        if a in index and b in index and index[a] < index[b]:
-            out.append(Segment(data[a:b].decode("utf-8"), index[a], index[b]))
+        ka, kb = token_at(a), token_at(b)
+        if ka >= 0 and kb > ka:
+            out.append(Segment(data[a:b].decode("utf-8"), ka, kb))
     return out
 
 
@@ -296,63 +308,73 @@ class Recorder(Generic[Ids, Out]):
         if prompt_add_special_tokens and affixes.suffix:
             raise InvalidRequest("prompt_add_special_tokens",
                                  "this tokenizer appends special tokens to prompts; outputs cannot follow them")
-        data = utf8(prompt_text, "prompt_text")
-        ar_key = output_key(data, output_text, salt=salt)
         out = verified.ids
-        n_out = len(out)
+        out_data = output_text.encode("utf-8")
         if (served is not None and served.salt == salt and served.mode == "kv-stable"
                 and served.add_special_tokens == prompt_add_special_tokens
                 and (served.text is prompt_text or served.text == prompt_text)
                 and served.matches(prompt_ids, self.fmt)):
-            ref, entries, base = self._after_served(served, data, salt, out, ar_key)
-            how = "served"
+            how, chain = "served", self._chain(served, salt, out, out_data)
         else:
-            ref, entries, base, how = self._after_prompt(prompt_text, data, prompt_ids, salt, out, ar_key,
-                                                         prompt_add_special_tokens)
-        entries += self._segments(output_text, out, salt)
-        return RecordResult(recorded_tokens=n_out if entries else 0, stop_token_dropped=verified.stop_token_dropped,
-                            entries=entries, prompt=how, prompt_tokens=base if ref is not None else 0)
+            how, chain = self._match_prompt(prompt_text, prompt_ids, salt, out, out_data, prompt_add_special_tokens)
+        segments = self._segments(output_text, out_data, out, salt)
+        # The chain's first choice and the segment records under one taking of the writer lock.
+        first, *others = chain
+        refs = self._put_many([first.put, *(put for put, _ in segments)])
+        ref, link = refs[0], first
+        for alt in others:  # the chain's parent went meanwhile: the next way to store it
+            if ref is not None:
+                break
+            ref, link = self._put_many([alt.put])[0], alt
+        entries = 0
+        if ref is not None:
+            entries += len(link.put[3])
+            link.stored(ref)
+        entries += sum(len(keys) for (_, keys), got in zip(segments, refs[1:], strict=True) if got is not None)
+        return RecordResult(recorded_tokens=len(out) if entries else 0, stop_token_dropped=verified.stop_token_dropped,
+                            entries=entries, prompt=how, prompt_tokens=link.prompt_tokens if ref is not None else 0)
 
     # -- the prompt + output chain -------------------------------------------------------
 
-    def _after_served(self, served: Served[Ids, Out], data: bytes, salt: str, out: list[int],
-                      ar_key: bytes) -> tuple[RecordRef | None, int, int]:
-        """Store the output after a prompt a read of this process served: (record, entries
-        stored, prompt tokens)."""
+    def _chain(self, served: Served[Ids, Out], salt: str, out: list[int], out_data: bytes) -> list[_Link[Ids]]:
+        """The ways to store ``out`` after a prompt a read served, best first: with the prompt's
+        entries the read left unstored, in one record continuing its hit; after the prompt's
+        stored L0 entry; alone, with the prompt's ids inline (its parent is gone)."""
         write = served.write
+        n = served.n
+        more = self.fmt.from_list(out)
+        if write is not None and write.keys.data is not None:
+            data = write.keys.data
+            ar_key = write.keys.output_key(out_data)
+        else:
+            data = utf8(served.text, "prompt_text")
+            ar_key = output_key(data, out_data, salt=salt)
+        links: list[_Link[Ids]] = []
         if write is not None and write.decision.stored is None:
-            # The read left the prompt's entries for this record: one record holds both.
-            more = self.fmt.from_list(out)
             tail = write.ids
             entries: list[tuple[bytes, int] | tuple[bytes, int, Kind]] = list(write.entries())
             entries.append((ar_key, tail.n + len(out), Kind.AR))
             packed = LISTS.to_u32(tail, tail.n) + pack_ids(out)
-            ref = self._put(write.parent, write.parent_tokens, packed, entries, Kind.L1)
-            if ref is not None:
-                write.decision.stored = True
-                shift = ref.n - tail.n - len(out)  # > 0 when the store inlined the parent's ids
-                self._remember(ref, served.full, served.n, more, {e[0]: e[1] + shift for e in entries})
-                return ref, len(entries), served.n
-        return self._after_stored(served.full, served.n, data, salt, out, ar_key)
+            links.append(_Link((write.parent, write.parent_tokens, packed, entries, Kind.L1, 0), self, served.full, n,
+                               more, tail.n + len(out), write))
+        return links + self._after(served.full, n, data, salt, out, more, ar_key)
 
-    def _after_stored(self, full: Ids, n: int, data: bytes, salt: str, out: list[int],
-                      ar_key: bytes) -> tuple[RecordRef | None, int, int]:
-        """Store the output after a prompt whose ids are ``full[:n]``, chained to its L0 entry
-        when the segment holds it, else with the prompt's ids inline (its parent is gone)."""
-        more = self.fmt.from_list(out)
+    def _after(self, full: Ids, n: int, data: bytes, salt: str, out: list[int], more: Ids,
+               ar_key: bytes) -> list[_Link[Ids]]:
+        """Storing ``out`` after a prompt whose ids are ``full[:n]``: chained to its L0 entry,
+        else with the prompt's ids inline."""
         packed = pack_ids(out)
-        ref = self._put(l0_key(data, salt=salt, mode="kv-stable"), n, packed, [(ar_key, len(out), Kind.AR)], Kind.AR)
-        if ref is None:
-            ref = self._put(None, 0, self.fmt.to_u32(full, n) + packed, [(ar_key, n + len(out), Kind.AR)], Kind.AR)
-        if ref is None:
-            return None, 0, n
-        self._remember(ref, full, n, more, {ar_key: ref.n})
-        return ref, 1, n
+        l0 = l0_key(data, salt=salt, mode="kv-stable")
+        return [_Link((l0, n, packed, [(ar_key, len(out), Kind.AR)], Kind.AR, 0), self, full, n, more, len(out)),
+                _Link((None, 0, self.fmt.to_u32(full, n) + packed, [(ar_key, n + len(out), Kind.AR)], Kind.AR, 0),
+                      self, full, n, more, n + len(out))]
 
-    def _after_prompt(self, prompt_text: str, data: bytes, prompt_ids: Sequence[int] | bytes, salt: str,
-                      out: list[int], ar_key: bytes, add_special_tokens: bool) -> tuple[RecordRef | None, int, int, str]:
+    def _match_prompt(self, prompt_text: str, prompt_ids: Sequence[int] | bytes, salt: str, out: list[int],
+                      out_data: bytes, add_special_tokens: bool) -> tuple[str, list[_Link[Ids]]]:
         """The prompt was not served here (or not as given): match its ids against what the
-        segment holds, what a lookup serves, or its canonical encoding, then store."""
+        segment holds, what a lookup serves, or its canonical encoding; how, and the ways to
+        store the output after it."""
+        data = utf8(prompt_text, "prompt_text")
         packed = prompt_ids if isinstance(prompt_ids, bytes) else _pack_prompt(prompt_ids)
         if len(packed) % 4:
             raise InvalidRequest("prompt_token_ids", "length is not a multiple of 4 (little-endian uint32 ids)")
@@ -361,21 +383,19 @@ class Recorder(Generic[Ids, Out]):
             raise InvalidRequest("prompt_token_ids", "does not start with the tokenizer's BOS tokens")
         raw = packed[len(affix_pre):]
         n = len(raw) // 4
+        ar_key = output_key(data, out_data, salt=salt)
+        more = self.fmt.from_list(out)
         # Usually stored already (an RPC reader stores its reads after the reply): equal ids then
         # need neither a scan of the prompt nor a lookup.
         stored = self.lookup.stored_exact(l0_key(data, salt=salt, mode="kv-stable"))
         if stored is not None and self.fmt.to_u32(stored, self.fmt.count(stored)) == raw:
-            ref, entries, base = self._after_stored(stored, n, data, salt, out, ar_key)
-            return ref, entries, base, "stored"
+            return "stored", self._after(stored, n, data, salt, out, more, ar_key)
         ids, write = self.serve(prompt_text, salt)
         if (ids if isinstance(ids, bytes) else pack_ids(ids)) == raw:
-            full = write.full if write is not None else self.fmt.from_u32(raw)
             if write is not None:
-                served: Served[Ids, Out] = Served(prompt_text, salt, "kv-stable", False, ids, full, n, write)
-                ref, entries, base = self._after_served(served, data, salt, out, ar_key)
-            else:
-                ref, entries, base = self._after_stored(full, n, data, salt, out, ar_key)
-            return ref, entries, base, "looked_up"
+                served = Served(prompt_text, salt, "kv-stable", False, ids, write.full, n, write)
+                return "looked_up", self._chain(served, salt, out, out_data)
+            return "looked_up", self._after(self.fmt.from_u32(raw), n, data, salt, out, more, ar_key)
         raw_ids = unpack_ids(raw)
         if raw_ids and max(raw_ids) >= self.model.vocab_size:
             raise InvalidRequest("prompt_token_ids", f"id {max(raw_ids)} is outside the vocabulary "
@@ -385,8 +405,8 @@ class Recorder(Generic[Ids, Out]):
                                                      "nor its canonical tokenization")
         # Canonical ids that tokcache does not serve for this text (another process's AR
         # applies to it): the record stands alone, the prompt's ids inline.
-        ref = self._put(None, 0, raw + pack_ids(out), [(ar_key, n + len(out), Kind.AR)], Kind.AR)
-        return ref, 1 if ref is not None else 0, n, "canonical"
+        return "canonical", [_Link((None, 0, raw + pack_ids(out), [(ar_key, n + len(out), Kind.AR)], Kind.AR, 0),
+                                   self, None, n, more, n + len(out))]
 
     def _remember(self, ref: RecordRef, full: Ids, n: int, more: Ids, keys: dict[bytes, int]) -> None:
         """The record's chain in this process's memo: the turn that continues it reads nothing."""
@@ -394,37 +414,60 @@ class Recorder(Generic[Ids, Out]):
 
     # -- segment entries -----------------------------------------------------------------
 
-    def _segments(self, output_text: str, out: list[int], salt: str) -> int:
-        """Store the output's segment entries, one record per distinct start token; how many
-        keys were stored."""
-        by_start: dict[int, list[tuple[bytes, int]]] = {}
-        out_data = output_text.encode("utf-8")
-        for seg in segment_variants(output_text, out, self.checks.token_bytes, self.model.scanner.spans(out_data)):
+    def _segments(self, output_text: str, out_data: bytes, out: list[int],
+                  salt: str) -> list[tuple[_Put, list[tuple[bytes, int, Kind, int]]]]:
+        """The output's segment record: its ids once, a key per variant (its first token as the
+        entry's start): (the put, its keys); none when no variant is long enough."""
+        keys: list[tuple[bytes, int, Kind, int]] = []
+        spans = self.model.scanner.find_spans(out_data)
+        for seg in segment_variants(output_text, out, self.checks.token_bytes, spans, out_data):
             if len(seg.text) < MIN_SEGMENT_BYTES and seg.text != output_text:
                 continue  # a tiny fragment ("\n") would splice into unrelated text
-            key = segment_key(salt, MODE_KV_STABLE, seg.text.encode("utf-8"))
-            by_start.setdefault(seg.start, []).append((key, seg.end - seg.start))
-        stored = 0
-        for seg_start, keys in by_start.items():
-            longest = max(n for _, n in keys)
-            packed = le_bytes(array("I", out[seg_start:seg_start + longest]))
-            if self._put(None, 0, packed, keys, Kind.AR, flags=F_SEGMENT) is not None:
-                stored += len(keys)
-        return stored
+            keys.append((segment_key(salt, MODE_KV_STABLE, seg.text.encode("utf-8")), seg.end, Kind.AR, seg.start))
+        if not keys:
+            return []
+        return [((None, 0, pack_ids(out), keys, Kind.AR, F_SEGMENT), keys)]
 
-    def _put(self, parent: bytes | None, parent_tokens: int, ids: bytes,
-             entries: Sequence[tuple[bytes, int] | tuple[bytes, int, Kind]], kind: Kind,
-             flags: int = 0) -> RecordRef | None:
-        """``Store.put``; None when the store refused or failed (recording is best effort:
+    def _put_many(self, puts: list[_Put]) -> list[RecordRef | None]:
+        """``Store.put_many``; None for each when the store failed (recording is best effort:
         a failing store costs the entries, never the caller's request; ``store_failed`` hears
         of a failure)."""
         try:
-            return self.store.put(parent, parent_tokens, ids, entries, kind, flags=flags,
-                                  lock_timeout=self.lock_timeout)
+            return self.store.put_many(puts, lock_timeout=self.lock_timeout)
         except StoreError as exc:
             if self._store_failed is not None:
                 self._store_failed(exc, "output not recorded")
-            return None
+            return [None] * len(puts)
+
+
+_Entries = Sequence[tuple[bytes, int] | tuple[bytes, int, Kind] | tuple[bytes, int, Kind, int]]
+_Put = tuple["bytes | None", int, bytes, _Entries, Kind, int]
+"""Store.put's arguments: (parent, parent_tokens, ids, entries, kind, flags)."""
+
+
+class _Link(Generic[Ids]):
+    """One way to store a recorded output's chain: the put, and what to remember once stored."""
+
+    __slots__ = ("put", "_recorder", "_full", "_n", "_more", "_own", "_write", "prompt_tokens")
+
+    def __init__(self, put: _Put, recorder: Recorder[Ids, Any], full: Ids | None, n: int, more: Ids, own: int,
+                 write: PendingWrite[Ids] | None = None) -> None:
+        self.put = put
+        self._recorder = recorder
+        self._full = full  # the prompt's ids (None: not kept: nothing is remembered)
+        self._n = n
+        self._more = more
+        self._own = own  # the record's own ids as put (before the store inlines a parent's)
+        self._write = write  # the read whose entries this record stores
+        self.prompt_tokens = n
+
+    def stored(self, ref: RecordRef) -> None:
+        """The record is in the segment: mark the read's entries stored, remember the chain."""
+        if self._write is not None:
+            self._write.decision.stored = True
+        if self._full is not None:
+            shift = ref.n - self._own  # > 0 when the store inlined the parent's ids
+            self._recorder._remember(ref, self._full, self._n, self._more, {e[0]: e[1] + shift for e in self.put[3]})
 
 
 def _pack_prompt(ids: Sequence[int]) -> bytes:

@@ -184,12 +184,12 @@ class Index:
         mm[soff : soff + SLOT_SIZE] = slot
         mm[boff + i] = tag_of(key)
 
-    def set_all(self, entries: list[tuple[bytes, int, int, int]], lsn: int, access: int, tail: int, head: int,
+    def set_all(self, entries: list[tuple[bytes, int, int, int, int]], lsn: int, access: int, tail: int, head: int,
                 now: float) -> None:
-        """:meth:`set` for each (key, n, kind, expiry) of a record's ``entries``, in order: the key
-        points at record ``lsn`` as ``kind``, with its expiry. Lock held. (One C call for all of
-        them when the extension is built.)"""
-        for key, _n, kind, expiry in entries:
+        """:meth:`set` for each (key, n, kind, expiry, start) of a record's ``entries``, in order:
+        the key points at record ``lsn`` as ``kind``, with its expiry. Lock held. (One C call
+        for all of them when the extension is built.)"""
+        for key, _n, kind, expiry, _start in entries:
             self.set(key, kind << LSN_BITS | lsn, expiry, access, tail, head, now)
 
     def live_entries(self, head: int, tail: int, now: float) -> dict[int, int]:

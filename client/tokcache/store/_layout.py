@@ -46,11 +46,13 @@ Arena
     fixed when the segment is created; the API always speaks packed u32 (``narrow`` on the
     way in refuses ids that do not fit, ``widen`` on the way out). Counts (n_ids, parent_n,
     an entry's n, base_tokens) are in ids, never bytes, so they do not depend on the width.
-    ENTRY = key (16) | n u32 (ids of the record the key uses) | expiry u32 | kind u8 | pad 3:
+    ENTRY = key (16) | n u32 (ids of the record the key uses) | expiry u32 | kind u8 | start u24:
     every key has its own kind and expiry (an L0 key shares a record with the L1 keys of
     the same request), and the record's header ``expiry`` is the latest of its entries'
     (0 if any entry never expires): the TTL sweep reclaims a record at the tail once every
-    key in it has expired.
+    key in it has expired. A key maps to its chain's ids up to the record's first ``n``; with
+    ``start`` > 0 (only in a record without a parent) to the record's own ids [start:n]
+    instead: the segment entries of one recorded output (its variants) share its ids.
     The gap a writer skips at the end of the arena starts with (PAD_MAGIC, gap size) at
     RECORD_MAGIC_OFF when it has room for a record header, so the evicting writer can step
     over whole records from tail (to count them); a gap too short for that is implied.
@@ -71,7 +73,7 @@ from tokcache import native
 
 from . import _hash
 
-LAYOUT_VERSION: Final = 5  # 3: the id width joined the static header; 4: generation, manifest;
+LAYOUT_VERSION: Final = 6  # 3: the id width joined the static header; 4: generation, manifest;
 # 5: keys and checks are SHA-256 (were BLAKE3)
 MAGIC: Final = b"TOKCACHE"
 PAGE: Final = 4096
@@ -169,9 +171,11 @@ LSN_SOFT_LIMIT: Final = 1 << 55
 # passes it, which readers and the writer test in O(1).
 RECORD: Final = struct.Struct("<16sIIQQ8sIIIHBBIIQ")
 RECORD_SIZE: Final = RECORD.size
-ENTRY: Final = struct.Struct("<16sIIB3x")
+# key | n | expiry | kind | start (u24 as its low 16 bits, then its high 8)
+ENTRY: Final = struct.Struct("<16sIIBHB")
 ENTRY_SIZE: Final = ENTRY.size
-ENTRY_TAIL: Final = struct.Struct("<IIB")  # the entry after its key: n, expiry, kind
+ENTRY_TAIL: Final = struct.Struct("<IIBHB")  # the entry after its key: n, expiry, kind, start
+MAX_ENTRY_START: Final = (1 << 24) - 1
 RECORD_MAGIC: Final = int.from_bytes(b"TKR1", "little")
 PAD_MAGIC: Final = int.from_bytes(b"TKP1", "little")
 MAGIC_SIZE: Final = struct.Struct("<II")  # (magic, size) at RECORD_MAGIC_OFF

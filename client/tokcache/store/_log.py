@@ -104,8 +104,8 @@ Chain = tuple[bytes, int, int, int, int]
 u32; LSN of its oldest record; number of records; the key's expiry; the earliest expiry
 among the records before the key's own (0: none expires))."""
 
-Entry = tuple[bytes, int, int, int]
-"""One key of a record being written: (key, ids of the record it uses, kind, expiry)."""
+Entry = tuple[bytes, int, int, int, int]
+"""One key of a record being written: (key, ids of the record it uses, kind, expiry, start)."""
 
 Known = Callable[[int, bytes], "tuple[Any, int, int] | None"]
 """What a reader holds: (LSN, check prefix) of a record -> (held ids, base, n), see walk_known."""
@@ -240,6 +240,7 @@ class Log:
         own: RecordRef | None = None
         held: Any = None
         held_tokens = 0
+        start = 0  # the key's first id in its own record (a segment entry's)
         pos = cur % arena_size
         if cur < tail:
             return EVICTED  # before touching its bytes: their page may have been given back
@@ -286,16 +287,17 @@ class Log:
                 q = _find_entry(rec, key, ids_off)
                 if q < 0:
                     return self._failed(cur)
-                n, key_expiry, entry_kind = ENTRY_TAIL.unpack_from(rec, q + KEY_SIZE)
+                n, key_expiry, entry_kind, s_lo, s_hi = ENTRY_TAIL.unpack_from(rec, q + KEY_SIZE)
+                start = s_lo | s_hi << 16
                 if entry_kind != kind:
                     return self._failed(cur)
                 if floor < tail:
                     return EVICTED  # its oldest link is gone: do not bother walking
                 end = cur + size
-                if n > n_ids:
+                if n > n_ids or (start and (flags & F_HAS_PARENT or base or start >= n)):
                     return self._failed(cur)
                 own = RecordRef(cur, bytes(rec[:LINK_CHECK_SIZE]), base, n, floor)
-                if known is not None:
+                if known is not None and not start:  # (a segment entry is no chain prefix)
                     got = known(cur, own.check)
                     if got is not None and got[1] == base and n <= got[2]:
                         held, held_tokens = got[0], base + n
@@ -307,7 +309,8 @@ class Log:
             if n > n_ids:
                 return self._failed(cur)
             if n:
-                parts.append(rec[ids_off : ids_off + width * n])
+                parts.append(rec[ids_off + width * start : ids_off + width * n])
+            start = 0
             if not flags & F_HAS_PARENT:
                 if base:
                     return self._failed(cur)
@@ -377,9 +380,10 @@ class Log:
                 if ids_off + width * n_ids <= size:
                     ids = widen(rec[ids_off:ids_off + width * n_ids], width)
                     for e in range(n_entries):
-                        key, n, _expiry, _kind = ENTRY.unpack_from(rec, RECORD_SIZE + ENTRY_SIZE * e)
-                        if n <= n_ids:
-                            out.append((key, ids[:4 * n]))
+                        key, n, _expiry, _kind, s_lo, s_hi = ENTRY.unpack_from(rec, RECORD_SIZE + ENTRY_SIZE * e)
+                        start = s_lo | s_hi << 16
+                        if start < n <= n_ids or (not start and n <= n_ids):
+                            out.append((key, ids[4 * start:4 * n]))
             at += size
         # A record copied after tail passed it may be torn: its check failed and it was
         # skipped, or it verified and is whole.
@@ -463,7 +467,9 @@ class Log:
         q = _find_entry(self._mm[off : off + ids_off], key, ids_off)
         if q < 0:
             return None
-        n = U32.unpack_from(self._mm, off + q + KEY_SIZE)[0]
+        n, _expiry, _kind, s_lo, s_hi = ENTRY_TAIL.unpack_from(self._mm, off + q + KEY_SIZE)
+        if s_lo or s_hi:
+            return None  # a segment entry: no prefix to continue
         floor = min(floor, lsn) if flags & F_HAS_PARENT else lsn
         if n > n_ids or base + n != tokens or floor < tail:
             return None  # (floor < tail: the chain already lost its start)
@@ -692,8 +698,8 @@ def write_record(
     RECORD.pack_into(buf, 0, _ZERO_CHECK, RECORD_MAGIC, size, lsn, link.lsn, link.check, link.n, link.base, n_ids,
                      len(entries), kind, flags, expiry, link.size, link.floor)
     off = RECORD_SIZE
-    for key, n, entry_kind, entry_expiry in entries:
-        ENTRY.pack_into(buf, off, key, n, entry_expiry, entry_kind)
+    for key, n, entry_kind, entry_expiry, first in entries:
+        ENTRY.pack_into(buf, off, key, n, entry_expiry, entry_kind, first & 0xFFFF, first >> 16)
         off += ENTRY_SIZE
     buf[off : off + len(ids)] = ids
     buf[:CHECK_SIZE] = check_of(memoryview(buf)[CHECK_SIZE:])

@@ -225,29 +225,30 @@ static PyObject *py_set_slot(PyObject *self, PyObject *args) {
     return PyBool_FromLong(evicted);
 }
 
-/* One record entry (key, n, kind, expiry), checked: 0, or -1 with an exception. */
-static int entry_fields(PyObject *entry, const unsigned char **key, uint32_t *n, uint8_t *kind, uint32_t *expiry) {
-    if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 4) {
-        PyErr_SetString(PyExc_TypeError, "entries must be (key, n, kind, expiry) tuples");
+/* One record entry (key, n, kind, expiry, start), checked: 0, or -1 with an exception. */
+static int entry_fields(PyObject *entry, const unsigned char **key, uint32_t *n, uint8_t *kind, uint32_t *expiry,
+                        uint32_t *start) {
+    if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 5) {
+        PyErr_SetString(PyExc_TypeError, "entries must be (key, n, kind, expiry, start) tuples");
         return -1;
     }
     if (key_bytes(PyTuple_GET_ITEM(entry, 0), key) < 0) return -1;
-    unsigned long long v[3];
-    for (int i = 0; i < 3; i++) {
+    unsigned long long v[4];
+    for (int i = 0; i < 4; i++) {
         v[i] = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(entry, i + 1));
         if (v[i] == (unsigned long long)-1 && PyErr_Occurred()) return -1;
     }
-    if (v[0] > UINT32_MAX || v[1] > 0xFF || v[2] > UINT32_MAX) {
+    if (v[0] > UINT32_MAX || v[1] > 0xFF || v[2] > UINT32_MAX || v[3] > 0xFFFFFF) {
         PyErr_SetString(PyExc_OverflowError, "an entry field does not fit the record");
         return -1;
     }
-    *n = (uint32_t)v[0], *kind = (uint8_t)v[1], *expiry = (uint32_t)v[2];
+    *n = (uint32_t)v[0], *kind = (uint8_t)v[1], *expiry = (uint32_t)v[2], *start = (uint32_t)v[3];
     return 0;
 }
 
 PyDoc_STRVAR(set_slots_doc,
 "set_slots(buf, index_off, n_buckets, entries, lsn, access, tail, head, now) -> int\n\n"
-"set_slot for each (key, n, kind, expiry) of ``entries`` in order, pointing it at record ``lsn``\n"
+"set_slot for each (key, n, kind, expiry, start) of ``entries`` in order, pointing it at record ``lsn``\n"
 "as ``kind << 56 | lsn`` with its expiry (Store._append's loop). The live slots evicted.");
 
 static PyObject *py_set_slots(PyObject *self, PyObject *args) {
@@ -269,9 +270,9 @@ static PyObject *py_set_slots(PyObject *self, PyObject *args) {
     long evicted = 0;
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(entries); i++) {
         const unsigned char *k;
-        uint32_t n, expiry;
+        uint32_t n, expiry, start;
         uint8_t kind;
-        if (entry_fields(PyList_GET_ITEM(entries, i), &k, &n, &kind, &expiry) < 0) {
+        if (entry_fields(PyList_GET_ITEM(entries, i), &k, &n, &kind, &expiry, &start) < 0) {
             PyBuffer_Release(&view);
             return NULL;
         }
@@ -281,7 +282,7 @@ static PyObject *py_set_slots(PyObject *self, PyObject *args) {
     return PyLong_FromLong(evicted);
 }
 
-/* The record header (_layout.RECORD, "<16sIIQQ8sIIIHBBIIQ") and entry (ENTRY, "<16sIIB3x"). */
+/* The record header (_layout.RECORD, "<16sIIQQ8sIIIHBBIIQ") and entry (ENTRY, "<16sIIBHB"). */
 #define RECORD_SIZE 80
 #define ENTRY_SIZE 28
 #define CHECK_SIZE 16
@@ -291,7 +292,7 @@ PyDoc_STRVAR(write_record_doc,
 "write_record(buf, start, size, lsn, parent_lsn, parent_check, parent_n, base, n_ids, kind, flags,\n"
 "             expiry, parent_size, floor, entries, ids) -> None\n\n"
 "_log.write_record's Python (the reference), in C: the ``size`` bytes of one record at ``start`` of\n"
-"``buf`` -- header (magic, ``len(entries)``), the (key, n, kind, expiry) entries, the stored\n"
+"``buf`` -- header (magic, ``len(entries)``), the (key, n, kind, expiry, start) entries, the stored\n"
 "``ids``, zero padding -- then its SHA-256 check. No copy of the record is made.");
 
 static PyObject *py_write_record(PyObject *self, PyObject *args) {
@@ -321,9 +322,9 @@ static PyObject *py_write_record(PyObject *self, PyObject *args) {
     /* Entries first, checked before a byte is written: a bad one leaves the buffer as it was. */
     for (Py_ssize_t i = 0; i < n_entries; i++) {
         const unsigned char *k;
-        uint32_t n, e;
+        uint32_t n, e, st;
         uint8_t kd;
-        if (entry_fields(PyList_GET_ITEM(entries, i), &k, &n, &kd, &e) < 0) goto done;
+        if (entry_fields(PyList_GET_ITEM(entries, i), &k, &n, &kd, &e, &st) < 0) goto done;
     }
     memset(rec, 0, RECORD_SIZE);
     store_u32(rec + 16, 0x31524b54u); /* b"TKR1" */
@@ -344,14 +345,16 @@ static PyObject *py_write_record(PyObject *self, PyObject *args) {
     unsigned char *p = rec + RECORD_SIZE;
     for (Py_ssize_t i = 0; i < n_entries; i++, p += ENTRY_SIZE) {
         const unsigned char *k;
-        uint32_t n, e;
+        uint32_t n, e, st;
         uint8_t kd;
-        entry_fields(PyList_GET_ITEM(entries, i), &k, &n, &kd, &e); /* checked above */
+        entry_fields(PyList_GET_ITEM(entries, i), &k, &n, &kd, &e, &st); /* checked above */
         memcpy(p, k, KEY_SIZE);
         store_u32(p + 16, n);
         store_u32(p + 20, e);
         p[24] = kd;
-        memset(p + 25, 0, 3);
+        p[25] = (unsigned char)(st & 0xFF);
+        p[26] = (unsigned char)((st >> 8) & 0xFF);
+        p[27] = (unsigned char)(st >> 16);
     }
     memcpy(p, ids.buf, ids.len);
     p += ids.len;

@@ -42,6 +42,7 @@ from ._layout import (
     LSN_BITS,
     LSN_MASK,
     MAX_ENTRIES,
+    MAX_ENTRY_START,
     PAGE,
     RECORD_ALIGN,
     RETIRED_MARK,
@@ -81,6 +82,21 @@ CONSOLIDATE_DEPTH: Final = 1024  # a hit this deep is rewritten as one record
 # Under a soft cap, free arena pages are given back each time tail has moved this far
 # (or an eighth of the cap, if larger): one madvise per batch, not per put.
 RELEASE_BATCH: Final = 64 * PAGE
+
+
+class _Prepared(NamedTuple):
+    """A put checked and converted outside the lock (Store._prepare)."""
+
+    parent: bytes | None
+    parent_tokens: int
+    stored: bytes  # ids in the segment's width
+    items: list[Entry]
+    kind: Kind
+    flags: int
+    size: int
+    record_expiry: int
+    ar: bool  # it puts an AR entry
+    now: float
 
 
 class Shrink(NamedTuple):
@@ -323,7 +339,7 @@ class Store:
             words[W_MARKS] += 1
             words[W_MARKS_UNTIL] = max(words[W_MARKS_UNTIL], expiry)  # (see marks_live)
             words[W_MARKS_AT] = words[W_MARKS]
-            self._append(head, tail, size, None, b"", [(key, 0, Kind.L1, expiry)], Kind.L1, expiry, 0, now,
+            self._append(head, tail, size, None, b"", [(key, 0, Kind.L1, expiry, 0)], Kind.L1, expiry, 0, now,
                          self._log.cap())
             words[W_PUTS] += 1
             return True
@@ -457,7 +473,7 @@ class Store:
         parent: bytes | None,
         parent_tokens: int,
         ids: bytes,
-        entries: Sequence[tuple[bytes, int] | tuple[bytes, int, Kind]],
+        entries: Sequence[tuple[bytes, int] | tuple[bytes, int, Kind] | tuple[bytes, int, Kind, int]],
         kind: Kind,
         *,
         lock_timeout: float | None = None,
@@ -470,7 +486,9 @@ class Store:
         ``key`` to the parent's ids + the first n of ``ids``; many keys share the record,
         which keeps a growing conversation linear in memory. An entry may name its own
         kind as (key, n, kind) — its TTL then applies to that key — otherwise ``kind``
-        applies. A key listed twice keeps its last n. Re-putting a key replaces its mapping.
+        applies; (key, n, kind, start) with ``start`` > 0, in a record without ``parent``, maps
+        ``key`` to ``ids[start:n]`` alone (a recorded output's segment variants share its
+        ids). A key listed twice keeps its last n. Re-putting a key replaces its mapping.
 
         Returns the new record (a RecordRef: its identity, base and own ids, for a reader
         memo; always truthy) — or None and stores nothing when the record is bigger than the arena, when
@@ -484,6 +502,50 @@ class Store:
         pages the record goes to even after evicting to give some back, ValueError for bad
         arguments. ``flags``: F_SEGMENT or 0 (the log's own flags are set here).
         """
+        prepared = self._prepare(parent, parent_tokens, ids, entries, kind, flags)
+        if prepared is None:
+            return None
+        bounds = self._begin_write(prepared.now, lock_timeout)
+        try:
+            return None if bounds is None else self._put_prepared(prepared, bounds)
+        finally:
+            self._lock.release()
+
+    def put_many(
+        self,
+        records: Sequence[tuple[bytes | None, int, bytes, Sequence[tuple[bytes, int] | tuple[bytes, int, Kind]],
+                                Kind, int]],
+        *,
+        lock_timeout: float | None = None,
+    ) -> list[RecordRef | None]:
+        """:meth:`put` of each (parent, parent_tokens, ids, entries, kind, flags), in order,
+        under one taking of the writer lock: a recorded output's chain and its segment
+        records. The same result per record as :meth:`put`'s (None: that one was refused);
+        the same errors, raised before anything is stored for a bad argument."""
+        if not records:
+            return []
+        prepared = [self._prepare(*r) for r in records]
+        now = max((p.now for p in prepared if p is not None), default=self._clock())
+        bounds = self._begin_write(now, lock_timeout)
+        out: list[RecordRef | None] = []
+        try:
+            if bounds is None:
+                return [None] * len(records)
+            head, tail = bounds
+            for p in prepared:
+                ref = None if p is None else self._put_prepared(p, (head, tail))
+                out.append(ref)
+                if ref is not None:  # the next record goes after this one
+                    head, tail = int(self._words[W_HEAD]), int(self._words[W_TAIL])
+            return out
+        finally:
+            self._lock.release()
+
+    def _prepare(self, parent: bytes | None, parent_tokens: int, ids: bytes,
+                 entries: Sequence[tuple[bytes, int] | tuple[bytes, int, Kind]], kind: Kind,
+                 flags: int) -> _Prepared | None:
+        """A put's arguments checked and converted, outside the lock; None when the record
+        cannot be stored (an id too wide for the segment, bigger than the arena)."""
         if self._mm is None:
             raise StoreClosed(f"{self.name} is closed")
         kind = kind if type(kind) is Kind else Kind(kind)
@@ -500,14 +562,17 @@ class Store:
                 raise ValueError(f"parent_tokens must be >= 0, got {parent_tokens}")
         if parent_tokens + n_ids > U32_MAX:
             raise ValueError("more than 2**32 - 1 tokens")
-        mapping: dict[bytes, tuple[int, Kind]] = {}
+        mapping: dict[bytes, tuple[int, Kind, int]] = {}
         for entry in entries:  # (the checks inlined: ~10 keys per record)
             key, n = entry[0], entry[1]
             if len(key) != KEY_SIZE or key == ZERO_KEY:
                 raise ValueError("entry key must be 16 bytes, not all zero")
             if not 0 <= n <= n_ids:
                 raise ValueError(f"entry n must be in [0, {n_ids}], got {n}")
-            mapping[key] = (n, kind if len(entry) == 2 else Kind(entry[2]))
+            start = entry[3] if len(entry) > 3 else 0  # type: ignore[misc]
+            if start and not (parent is None and 0 < start < n and start <= MAX_ENTRY_START):
+                raise ValueError(f"entry start must be in [1, n) in a record without parent, got {start}")
+            mapping[key] = (n, kind if len(entry) == 2 else Kind(entry[2]), start)
         if not mapping:
             raise ValueError("entries must not be empty")
         if len(mapping) > MAX_ENTRIES:
@@ -523,46 +588,47 @@ class Store:
         now = self._clock()
         expiry_of: dict[Kind, int] = {}  # the entries' kinds: their expiries
         items: list[Entry] = []
-        for key, (n, k) in mapping.items():
+        for key, (n, k, start) in mapping.items():
             e = expiry_of.get(k)
             if e is None:
                 e = expiry_of[k] = self._expiry(k, now)
-            items.append((key, n, k, e))
+            items.append((key, n, k, e, start))
         expiries = expiry_of.values()
         record_expiry = 0 if 0 in expiries else max(expiries)
-        bounds = self._begin_write(now, lock_timeout)
-        try:
-            if bounds is None:
+        return _Prepared(parent, parent_tokens, stored, items, kind, flags, size, record_expiry,
+                         kind == Kind.AR or Kind.AR in expiry_of, now)
+
+    def _put_prepared(self, p: _Prepared, bounds: tuple[int, int]) -> RecordRef | None:
+        """Append a prepared record at ``bounds`` (head, tail). Lock held."""
+        head, tail = bounds
+        cap = self._log.cap()
+        link: Link | None = None
+        stored, items, size = p.stored, p.items, p.size
+        parent, parent_tokens = p.parent, p.parent_tokens
+        if parent is not None:
+            lsn_kind = self._index.lookup(parent)
+            found = None if lsn_kind < 0 else self._log.parent(lsn_kind, parent, parent_tokens, head, tail)
+            if found is None:
                 return None
-            head, tail = bounds
-            cap = self._log.cap()
-            link: Link | None = None
-            if parent is not None:
-                lsn_kind = self._index.lookup(parent)
-                found = None if lsn_kind < 0 else self._log.parent(lsn_kind, parent, parent_tokens, head, tail)
-                if found is None:
+            if found.floor >= self._log.needed(head, size, cap):
+                link = Link(found.lsn, found.check, found.n, parent_tokens, found.size, found.floor)
+            else:
+                # This very append would evict the start of the parent's chain and
+                # leave the record unreadable: store the whole prefix inline instead.
+                walked = self._log.walk(parent, lsn_kind)  # stored ids: no conversion
+                if isinstance(walked, int) or len(walked[0]) != self.id_bytes * parent_tokens:
                     return None
-                if found.floor >= self._log.needed(head, size, cap):
-                    link = Link(found.lsn, found.check, found.n, parent_tokens, found.size, found.floor)
-                else:
-                    # This very append would evict the start of the parent's chain and
-                    # leave the record unreadable: store the whole prefix inline instead.
-                    walked = self._log.walk(parent, lsn_kind)  # stored ids: no conversion
-                    if isinstance(walked, int) or len(walked[0]) != width * parent_tokens:
-                        return None
-                    stored = walked[0] + stored
-                    items = [(key, n + parent_tokens, k, e) for key, n, k, e in items]
-                    size = _layout.record_size(len(items), len(stored))
-                    if size > self._log.size:
-                        return None
-            if kind == Kind.AR or Kind.AR in expiry_of:
-                # Before the keys appear: a reader that sees an AR key also sees this.
-                self._words[W_AR_PUTS] += 1
-            ref = self._append(head, tail, size, link, stored, items, kind, record_expiry, flags, now, cap)
-            self._words[W_PUTS] += 1
-            return ref
-        finally:
-            self._lock.release()
+                stored = walked[0] + stored
+                items = [(key, n + parent_tokens, k, e, 0) for key, n, k, e, _start in items]
+                size = _layout.record_size(len(items), len(stored))
+                if size > self._log.size:
+                    return None
+        if p.ar:
+            # Before the keys appear: a reader that sees an AR key also sees this.
+            self._words[W_AR_PUTS] += 1
+        ref = self._append(head, tail, size, link, stored, items, p.kind, p.record_expiry, p.flags, p.now, cap)
+        self._words[W_PUTS] += 1
+        return ref
 
     def _begin_write(self, now: float, lock_timeout: float | None) -> tuple[int, int] | None:
         """Take the writer lock, then (head, tail) after sweeping expired records off the
@@ -598,7 +664,7 @@ class Store:
                 return  # replaced segment, or key re-put since we read it: newer wins
             head, tail = self._log.bounds()
             kind = lsn_kind >> LSN_BITS
-            entries: list[Entry] = [(key, len(data) // self.id_bytes, kind, expiry)]
+            entries: list[Entry] = [(key, len(data) // self.id_bytes, kind, expiry, 0)]
             now = self._clock()
             cap = self._log.cap()
             try:

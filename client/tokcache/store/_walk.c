@@ -103,6 +103,7 @@ static PyObject *py_walk(PyObject *self, PyObject *args) {
     uint64_t cur = lsn_kind & LSN_MASK;
     unsigned kind = (unsigned)(lsn_kind >> LSN_BITS);
     long long n = -1; /* ids to take from the current record; -1: from its entry for ``key`` */
+    uint32_t start = 0; /* the key's first id in its own record (a segment entry's) */
     uint64_t expect_base = 0, end = 0, held_tokens = 0;
     unsigned char expect_check[LINK_CHECK_SIZE];
     uint32_t key_expiry = 0, chain_expiry = 0;
@@ -172,19 +173,20 @@ static PyObject *py_walk(PyObject *self, PyObject *args) {
             if (q >= ids_off) FAILED(cur);
             n = u32_at(rec + q + 16);
             key_expiry = u32_at(rec + q + 20);
+            start = (uint32_t)rec[q + 25] | (uint32_t)rec[q + 26] << 8 | (uint32_t)rec[q + 27] << 16;
             if (rec[q + 24] != kind) FAILED(cur);
             if (floor < tail) {
                 fail = EVICTED; /* its oldest link is gone: do not bother walking */
                 goto out;
             }
             end = cur + size;
-            if ((uint64_t)n > n_ids) FAILED(cur);
+            if ((uint64_t)n > n_ids || (start && ((flags & F_HAS_PARENT) || base || start >= (uint64_t)n))) FAILED(cur);
             check8 = PyBytes_FromStringAndSize((const char *)rec, LINK_CHECK_SIZE);
             if (!check8) goto done;
             own = Py_BuildValue("(KOkLK)", (unsigned long long)cur, check8, (unsigned long)base, n,
                                 (unsigned long long)floor);
             if (!own) goto done;
-            if (known != Py_None) {
+            if (known != Py_None && !start) { /* (a segment entry is no chain prefix) */
                 PyObject *got = PyObject_CallFunction(known, "KO", (unsigned long long)cur, check8);
                 if (!got) goto done;
                 Py_ssize_t g_base, g_n;
@@ -205,8 +207,9 @@ static PyObject *py_walk(PyObject *self, PyObject *args) {
             chain_expiry = expiry;
         }
         if ((uint64_t)n > n_ids) FAILED(cur);
-        from[n_parts - 1] = (Py_ssize_t)ids_off;
-        len[n_parts - 1] = (Py_ssize_t)(id_bytes * n);
+        from[n_parts - 1] = (Py_ssize_t)(ids_off + (uint64_t)id_bytes * start);
+        len[n_parts - 1] = (Py_ssize_t)(id_bytes * (n - (long long)start));
+        start = 0;
         if (!(flags & F_HAS_PARENT)) {
             if (base) FAILED(cur);
             break;

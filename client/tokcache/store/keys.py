@@ -290,11 +290,11 @@ class TextKeys:
         """A (new) hasher fed the namespace header and ``data[:offset]``, from the nearest
         state at or below ``offset``."""
         start, base = 0, self._root
-        r = self._resume
-        if r is not None:
-            r_off = self._spans[r.cut][1]
-            if r_off <= offset:
-                start, base = r_off, r.hasher
+        for r in (self._resume, self._state):  # (the state a scan left: at its last stable cut)
+            if r is not None and r.hasher is not None:
+                r_off = self._spans[r.cut][1] if r.cut >= 0 else 0
+                if start < r_off <= offset:
+                    start, base = r_off, r.hasher
         for m_off, m in self._marks:
             if start < m_off <= offset:
                 start, base = m_off, m
@@ -302,6 +302,15 @@ class TextKeys:
         if offset > start:
             h.update(memoryview(self._data)[start:offset])
         return h
+
+    def output_key(self, output: bytes) -> bytes:
+        """The AR key of a recorded ``output`` (UTF-8) after this text (``tokcache.store.keys.output_key``),
+        hashed on from the nearest state held, not from the start."""
+        h = self._hasher_at(len(self._data))
+        h.update(output)
+        h.update(_AR_SUFFIX)
+        key: bytes = h.digest()[:KEY_BYTES]
+        return key
 
     def exact_key(self) -> bytes:
         """The L0 key of the whole text."""

@@ -90,7 +90,7 @@ def test_native_set_all_matches_the_python_loop(pool: list[bytes], records: list
     py, c, mem_py, mem_c, words_py, words_c = _pair()
     for r, entries in enumerate(records):
         lsn = 2000 + 100 * r
-        items = [(pool[k], 7, kind, expiry) for k, kind, expiry in entries]
+        items = [(pool[k], 7, kind, expiry, 0) for k, kind, expiry in entries]
         py.set_all(items, lsn, r % 5, tail, 5000, now)
         c.set_all(items, lsn, r % 5, tail, 5000, now)
         assert mem_c == mem_py
@@ -99,10 +99,10 @@ def test_native_set_all_matches_the_python_loop(pool: list[bytes], records: list
 
 def test_native_set_all_refuses_bad_entries() -> None:
     _py, c, _mem_py, mem_c, _words_py, _words_c = _pair()
-    good = (bytes(range(1, 17)), 0, 1, 0)
+    good = (bytes(range(1, 17)), 0, 1, 0, 0)
     with pytest.raises(TypeError, match="16-byte"):
-        c.set_all([good, (b"short", 0, 1, 0)], 10, 0, 0, 100, 0.0)
+        c.set_all([good, (b"short", 0, 1, 0, 0)], 10, 0, 0, 100, 0.0)
     with pytest.raises(TypeError, match="tuples"):
         c.set_all([(bytes(range(1, 17)), 0)], 10, 0, 0, 100, 0.0)  # type: ignore[list-item]
     with pytest.raises(OverflowError):
-        c.set_all([(bytes(range(1, 17)), 0, 256, 0)], 10, 0, 0, 100, 0.0)
+        c.set_all([(bytes(range(1, 17)), 0, 256, 0, 0)], 10, 0, 0, 100, 0.0)

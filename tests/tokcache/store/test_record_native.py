@@ -15,13 +15,14 @@ from tokcache.store._log import Link, write_record
 pytestmark = pytest.mark.skipif(pure_python(), reason="TOKCACHE_PURE_PYTHON=1: no native record")
 
 _key = st.binary(min_size=16, max_size=16).filter(lambda k: k != bytes(16))
-_entry = st.tuples(_key, st.integers(0, 2**32 - 1), st.integers(0, 3), st.integers(0, 2**32 - 1))
+_entry = st.tuples(_key, st.integers(0, 2**32 - 1), st.integers(0, 3), st.integers(0, 2**32 - 1),
+                   st.integers(0, 2**24 - 1))
 _link = st.none() | st.builds(Link, st.integers(0, 2**56 - 1), st.binary(min_size=8, max_size=8),
                               st.integers(0, 2**32 - 1), st.integers(0, 2**32 - 1), st.integers(0, 2**32 - 1),
                               st.integers(0, 2**56 - 1))
 
 
-def _both(start: int, lsn: int, link: Link | None, entries: list[tuple[bytes, int, int, int]], ids: bytes,
+def _both(start: int, lsn: int, link: Link | None, entries: list[tuple[bytes, int, int, int, int]], ids: bytes,
           width: int, kind: int, flags: int, expiry: int, extra: int) -> tuple[bytearray, bytearray]:
     size = record_size(len(entries), len(ids)) + extra
     out = []
@@ -37,7 +38,7 @@ def _both(start: int, lsn: int, link: Link | None, entries: list[tuple[bytes, in
        st.sampled_from([3, 4]), st.data(), st.integers(0, 3), st.sampled_from([0, 2]), st.integers(0, 2**32 - 1),
        st.sampled_from([0, 8, 24]))
 def test_native_record_matches_the_python_one(start: int, lsn: int, link: Link | None,
-                                              entries: list[tuple[bytes, int, int, int]], width: int,
+                                              entries: list[tuple[bytes, int, int, int, int]], width: int,
                                               data: st.DataObject, kind: int, flags: int, expiry: int,
                                               extra: int) -> None:
     ids = data.draw(st.binary(max_size=300).map(lambda b: b[: len(b) // width * width]))
@@ -46,7 +47,7 @@ def test_native_record_matches_the_python_one(start: int, lsn: int, link: Link |
 
 
 def test_native_record_checks_its_bounds_and_entries_before_writing() -> None:
-    entries = [(bytes(range(1, 17)), 1, 1, 0)]
+    entries = [(bytes(range(1, 17)), 1, 1, 0, 0)]
     size = record_size(1, 12)
     buf = bytearray(size)
     with pytest.raises(ValueError, match="does not fit the buffer"):
@@ -58,7 +59,8 @@ def test_native_record_checks_its_bounds_and_entries_before_writing() -> None:
     size = record_size(2, 12)
     buf = bytearray(size)
     before = bytes(buf)
-    for bad, error in (((b"short", 1, 1, 0), TypeError), ((bytes(range(1, 17)), 1, 300, 0), OverflowError),
+    for bad, error in (((b"short", 1, 1, 0, 0), TypeError), ((bytes(range(1, 17)), 1, 300, 0, 0), OverflowError),
+                       ((bytes(range(1, 17)), 1, 1, 0, 2**24), OverflowError),
                        ((bytes(range(1, 17)), 1), TypeError)):
         with pytest.raises(error):
             write_record(buf, 0, 0, size, None, [*entries, bad], bytes(12), 4, 1, 0, 0)  # type: ignore[list-item]

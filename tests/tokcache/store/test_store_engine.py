@@ -46,6 +46,7 @@ def test_record_output_survives_a_stuck_lock(engine: ModelEngine, monkeypatch: p
 
     engine.tokenize(PROMPT, add_special_tokens=False)  # cached before the lock gets stuck
     monkeypatch.setattr(engine.store, "put", stuck)
+    monkeypatch.setattr(engine.store, "put_many", stuck)
     result = _record(engine)
     assert (result.entries, result.recorded_tokens) == (0, 0)  # nothing stored, and it says so
     out = engine.tokenize(PROMPT + "more text", add_special_tokens=False)  # still served, uncached
