@@ -56,6 +56,7 @@ import os
 import pickle
 import platform
 import random
+import resource
 import statistics
 import sys
 import time
@@ -223,6 +224,7 @@ def _child(name: str, index: int, cfg: dict[str, Any], items_path: str, conn: Co
         bench_cpu = 0.0  # the benchmark's own work in this process (receiving, checking): not charged
         bad = 0
         barrier.wait(timeout=BARRIER_TIMEOUT_S)
+        ru0 = resource.getrusage(resource.RUSAGE_SELF)
         c0 = time.process_time()
         while True:
             b0 = time.thread_time()
@@ -262,9 +264,13 @@ def _child(name: str, index: int, cfg: dict[str, Any], items_path: str, conn: Co
                 bench_cpu += time.thread_time() - b0
         stats = client.finish()
         cpu = time.process_time() - c0 - bench_cpu
+        ru1 = resource.getrusage(resource.RUSAGE_SELF)
         client.close()
+        # Where a process's CPU goes besides its own instructions: page faults (a page first
+        # touched), kernel time, and waits (each a cold cache when processes outnumber cores).
         conn.send(["done", {"index": index, "tok_us": tok_us, "rec_us": rec_us, "cpu_s": cpu, "bad": bad,
-                            "stats": stats}])
+                            "stats": stats, "minflt": ru1.ru_minflt - ru0.ru_minflt,
+                            "sys_s": ru1.ru_stime - ru0.ru_stime, "vol_csw": ru1.ru_nvcsw - ru0.ru_nvcsw}])
     except BaseException as exc:  # report, never hang the dispatcher
         try:
             barrier.abort()
@@ -366,7 +372,10 @@ def run_one(name: str, procs: int, convs: list[list[Turn]], args: argparse.Names
             "client_cpu_us_per_req": client_cpu / len(tok) * 1e6, "server_cpu_us_per_req": server_cpu / len(tok) * 1e6,
             "tok_p50_us": percentile(tok, 50), "tok_p99_us": percentile(tok, 99),
             "rec_p50_us": percentile(rec, 50), "rec_p99_us": percentile(rec, 99),
-            "extended": ext[0], "extendable": ext[1], "bad_ids": sum(r["bad"] for r in results), "client_stats": stats}
+            "extended": ext[0], "extendable": ext[1], "bad_ids": sum(r["bad"] for r in results), "client_stats": stats,
+            "minflt_per_req": sum(r["minflt"] for r in results) / len(tok),
+            "client_sys_us_per_req": sum(r["sys_s"] for r in results) / len(tok) * 1e6,
+            "vol_csw_per_req": sum(r["vol_csw"] for r in results) / len(tok)}
 
 
 def _dispatch(convs: list[list[Turn]], procs: int, conns: list[Connection], args: argparse.Namespace,
@@ -438,7 +447,7 @@ def print_report(res: dict[str, Any]) -> None:
                 print(f"-- round {k + 1}")
             rs = ratios(runs)
             print(f"{'contender':<15}{'CPU/req µs':>12}{'(client+server)':>18}{'tok p50':>9}{'p99':>9}"
-                  f"{'rec p50':>9}{'p99':>9}{'extends':>10}{'CPU x':>7}{'p50 x':>7}")
+                  f"{'rec p50':>9}{'p99':>9}{'extends':>10}{'CPU x':>7}{'p50 x':>7}{'faults':>8}{'sys':>7}{'csw':>6}")
             for n, r in runs.items():
                 if r.get("status") != "ok":
                     print(f"{n:<15}{r.get('status')}: {str(r.get('reason'))[:100]}")
@@ -448,13 +457,15 @@ def print_report(res: dict[str, Any]) -> None:
                 print(f"{n:<15}{r['cpu_us_per_req']:>12.0f}{r['client_cpu_us_per_req']:>10.0f}+"
                       f"{r['server_cpu_us_per_req']:<7.0f}{r['tok_p50_us']:>9.0f}{r['tok_p99_us']:>9.0f}{rec}"
                       f"{r['extended']:>5}/{r['extendable']:<4}{x.get('cpu', 0):>7.2f}{x.get('tok_p50', 0):>7.2f}"
+                      f"{r['minflt_per_req']:>8.1f}{r['client_sys_us_per_req']:>7.0f}{r['vol_csw_per_req']:>6.1f}"
                       + (f"  BAD IDS {r['bad_ids']}" if r["bad_ids"] else ""))
         if len(rounds) > 1:
             med = {n: statistics.median(ratios(runs).get(n, {}).get("cpu", float("nan")) for runs in rounds)
                    for n in rounds[0]}
             print("median CPU ratio over rounds: " + ", ".join(f"{n} {v:.2f}" for n, v in med.items()))
     print(f"\n(CPU x, p50 x: over {REFERENCE}; µs; 'extends': turns whose ids start with the previous turn's "
-          "prompt + output ids, of those whose text continues them)")
+          "prompt + output ids, of those whose text continues them; per request in the client processes: minor "
+          "page faults, kernel CPU µs (part of the CPU), voluntary context switches)")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -30,7 +30,9 @@ class AsyncSidecarClient:
     in this process from the sidecar's shared memory when possible), plus
     ``channel_options`` appended to the client's gRPC channel options (e.g. a short
     reconnect backoff). In-process tokenization and recording run on the calling task: they
-    take tens to hundreds of microseconds, less than a hop to an executor would cost.
+    take tens to hundreds of microseconds, less than a hop to an executor would cost. The
+    gRPC channel is opened when a call needs it and closed once, when a model is served in
+    this process with write access (see :class:`SidecarClient`).
     """
 
     def __init__(self, address: str | None = None, *, timeout: float | None = 30.0,
@@ -41,16 +43,57 @@ class AsyncSidecarClient:
         self.address = address or _core.default_address()
         self.timeout = timeout
         self._metadata = tuple(metadata or ())
-        self._channel = grpc.aio.insecure_channel(_core.channel_target(self.address),
-                                                  options=[*_core.CHANNEL_OPTIONS, *channel_options])
-        self._stub = pb_grpc.TokenizerStub(self._channel)
-        self._stream = AsyncTokenizeStream(self._channel, self._metadata)
-        self._stream.enabled = stream
+        self._channel_options = [*_core.CHANNEL_OPTIONS, *channel_options]
+        self._stream_enabled = stream
+        # The channel, its stub and stream (None: closed; see the class), the calls using them,
+        # and whether it was closed once. (One event loop: no lock.)
+        self._chan: grpc.aio.Channel | None = None
+        self._stub_: pb_grpc.TokenizerStub | None = None
+        self._stream_: AsyncTokenizeStream | None = None
+        self._inflight = 0
+        self._released = False
+        self._closing: set[asyncio.Task[None]] = set()
         self._loop = asyncio.get_running_loop()
         self._learning: set[asyncio.Task[Any]] = set()
         self.local = (LocalPaths(dict(tokenizers or {}), learn=self._learn, min_write_bytes=min_write_bytes)
                       if zero_rpc else None)
         self._models_at = -float("inf")
+
+    def _rpc(self) -> tuple[pb_grpc.TokenizerStub, AsyncTokenizeStream]:
+        """The stub and stream, the channel opened first if it is closed; the caller counts
+        itself in flight (``_inflight``) until its call is done (:meth:`_done`)."""
+        if self._chan is None:
+            self._chan = grpc.aio.insecure_channel(_core.channel_target(self.address), options=self._channel_options)
+            self._stub_ = pb_grpc.TokenizerStub(self._chan)
+            self._stream_ = AsyncTokenizeStream(self._chan, self._metadata)
+            self._stream_.enabled = self._stream_enabled
+        self._inflight += 1
+        assert self._stub_ is not None and self._stream_ is not None
+        return self._stub_, self._stream_
+
+    def _done(self) -> None:
+        self._inflight -= 1
+
+    @property
+    def _stream(self) -> AsyncTokenizeStream:
+        """The TokenizeStream, its channel opened if it is closed."""
+        _, stream = self._rpc()
+        self._done()
+        return stream
+
+    def _release(self) -> None:
+        """Close the channel (once: see the class) if no call is using it."""
+        if self._released or self._inflight or self._chan is None:
+            return
+        self._released = True
+        channel, stream = self._chan, self._stream_
+        self._chan = self._stub_ = self._stream_ = None
+        if stream is not None:
+            self._stream_enabled = stream.enabled
+            stream.close()
+        task = self._loop.create_task(channel.close())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     def _learn(self, model: str, text: str, salt: str, mode: str) -> None:
         """A read's write without write access: the sidecar tokenizes (and stores) the text;
@@ -69,10 +112,13 @@ class AsyncSidecarClient:
             pass  # the loop is closed: the entry is simply not stored
 
     async def _learn_call(self, req: pb.TokenizeRequest) -> None:
+        stub, _ = self._rpc()
         try:
-            await self._stub.Tokenize(req, timeout=_core.grpc_timeout(self.timeout), metadata=self._metadata or None)
+            await stub.Tokenize(req, timeout=_core.grpc_timeout(self.timeout), metadata=self._metadata or None)
         except (grpc.RpcError, asyncio.CancelledError):
             pass
+        finally:
+            self._done()
 
     async def _local_result(self, model: str, text: str, add_special_tokens: bool | None,
                             cache_salt: str | None, mode: str | None,
@@ -101,8 +147,11 @@ class AsyncSidecarClient:
             else:
                 await asyncio.shield(opening)
         try:  # the common case first: no recorded output on its way, no wait made
-            return local.tokenize(model, text, add_special_tokens=add_special_tokens, cache_salt=cache_salt,
-                                  mode=mode, trace=trace, may_wait=True)
+            out = local.tokenize(model, text, add_special_tokens=add_special_tokens, cache_salt=cache_salt,
+                                 mode=mode, trace=trace, may_wait=True)
+            if out is not None and not self._released and local.writes_directly(model) is not None:
+                self._release()
+            return out
         except RecordPending:  # an output this text continues is on its way to the sidecar
             pass
         wait = PendingWait()
@@ -169,10 +218,14 @@ class AsyncSidecarClient:
             if key in ("traceparent", "tracestate"):
                 setattr(sreq, key, value)
 
-        def unary(left: float | None) -> Any:
-            return self._call(self._stub.Tokenize, req, left, extra)
+        stub, stream = self._rpc()
+        try:
+            def unary(left: float | None) -> Any:
+                return self._call_on(stub.Tokenize, req, left, extra)
 
-        return _core.read_tokenize(await self._stream.send(sreq, wait, unary), return_prompt_text)
+            return _core.read_tokenize(await stream.send(sreq, wait, unary), return_prompt_text)
+        finally:
+            self._done()
 
     async def render(self, model: str, messages: Sequence[Mapping[str, Any]], *,
                      tools: Sequence[Mapping[str, Any]] | None = None, add_generation_prompt: bool = False,
@@ -184,7 +237,7 @@ class AsyncSidecarClient:
         req = _core.build_render(model, messages, tools=tools, add_generation_prompt=add_generation_prompt,
                                   continue_final_message=continue_final_message,
                                   chat_template_kwargs=chat_template_kwargs)
-        resp = await self._call(self._stub.Render, req, timeout)
+        resp = await self._call("Render", req, timeout)
         return str(resp.prompt_text)
 
     async def record_output(self, model: str, *, prompt_text: str, prompt_token_ids: Sequence[int],
@@ -212,7 +265,7 @@ class AsyncSidecarClient:
                                  output_text=output_text, output_token_ids=output_token_ids,
                                  finish_reason=finish_reason, stop_reason=stop_reason, cache_salt=cache_salt,
                                  prompt_add_special_tokens=prompt_add_special_tokens)
-        resp = await self._call(self._stub.RecordOutput, req, timeout)
+        resp = await self._call("RecordOutput", req, timeout)
         return RecordResult(recorded_tokens=resp.recorded_tokens, stop_token_dropped=resp.stop_token_dropped,
                             entries=resp.entries)
 
@@ -230,17 +283,26 @@ class AsyncSidecarClient:
             if done is not None:
                 return done
         reqs = _core.build_records(model, records)
-        resp = await self._call(self._stub.RecordOutputs, iter(reqs), timeout, tuple(metadata or ()))
+        resp = await self._call("RecordOutputs", iter(reqs), timeout, tuple(metadata or ()))
         return RecordSummary(recorded=resp.recorded, refused=resp.refused,
                              refusals=[(r.index, r.reason) for r in resp.refusals])
 
     async def list_models(self, *, timeout: float | None = None) -> list[ModelInfo]:
         """See :meth:`SidecarClient.list_models`."""
         _core.check_timeout(timeout)
-        return _core.read_models(await self._call(self._stub.ListModels, pb.ListModelsRequest(), timeout))
+        return _core.read_models(await self._call("ListModels", pb.ListModelsRequest(), timeout))
 
-    async def _call(self, method: Any, req: Any, timeout: float | None,
+    async def _call(self, name: str, req: Any, timeout: float | None,
                     metadata: Sequence[tuple[str, str]] = ()) -> Any:
+        """The unary or client-streaming RPC ``name``; errors translated."""
+        stub, _ = self._rpc()
+        try:
+            return await self._call_on(getattr(stub, name), req, timeout, metadata)
+        finally:
+            self._done()
+
+    async def _call_on(self, method: Any, req: Any, timeout: float | None,
+                       metadata: Sequence[tuple[str, str]] = ()) -> Any:
         try:
             return await method(req, timeout=_core.grpc_timeout(timeout if timeout is not None else self.timeout),
                                 metadata=(*self._metadata, *metadata) or None)
@@ -251,8 +313,15 @@ class AsyncSidecarClient:
         """Store pending writes, unmap shared memory, close the stream and the channel; idempotent."""
         if self.local is not None:
             await asyncio.to_thread(self.local.close)
-        self._stream.close()
-        await self._channel.close()
+        channel, stream = self._chan, self._stream_
+        self._chan = self._stub_ = self._stream_ = None
+        self._released = True
+        if stream is not None:
+            stream.close()
+        if channel is not None:
+            await channel.close()
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)
 
     async def __aenter__(self) -> AsyncSidecarClient:
         return self

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -43,6 +44,11 @@ class SidecarClient:
     them again, and another process's re-encoding costs less than a smaller write. Chat
     messages, and every request when the segment cannot be used (logged once, counted in
     :meth:`stats`), go over RPC.
+
+    The gRPC channel is opened by the first call that needs it, and closed once a model's
+    calls are served in this process with write access (after the handshake): an idle
+    channel keeps gRPC's threads running (~0.5 ms of CPU a second). A later RPC opens it
+    again, and it then stays open.
     """
 
     def __init__(self, address: str | None = None, *, timeout: float | None = 30.0,
@@ -52,19 +58,78 @@ class SidecarClient:
         self.address = address or _core.default_address()
         self.timeout = timeout
         self._metadata = tuple(metadata or ())
-        self._channel = grpc.insecure_channel(_core.channel_target(self.address), options=_core.CHANNEL_OPTIONS)
-        self._stub = pb_grpc.TokenizerStub(self._channel)
-        self._stream = SyncTokenizeStream(self._channel, self._metadata)
-        self._stream.enabled = stream
+        self._stream_enabled = stream
+        # The channel, its stub and stream (None: closed; see the class). _rpc_lock guards the
+        # three, _inflight (calls using them) and _released (closed once already).
+        self._chan: grpc.Channel | None = None
+        self._stub_: pb_grpc.TokenizerStub | None = None
+        self._stream_: SyncTokenizeStream | None = None
+        self._inflight = 0
+        self._released = False
+        self._rpc_lock = threading.Lock()
         self._local = (LocalPaths(dict(tokenizers or {}), learn=self._learn, min_write_bytes=min_write_bytes)
                        if zero_rpc else None)
         self._models_at = -float("inf")
+
+    def _rpc(self) -> tuple[pb_grpc.TokenizerStub, SyncTokenizeStream]:
+        """The stub and stream, the channel opened first if it is closed; the caller counts
+        itself in flight (``_inflight``) until its call is done."""
+        with self._rpc_lock:
+            if self._chan is None:
+                self._chan = grpc.insecure_channel(_core.channel_target(self.address),
+                                                      options=_core.CHANNEL_OPTIONS)
+                self._stub_ = pb_grpc.TokenizerStub(self._chan)
+                self._stream_ = SyncTokenizeStream(self._chan, self._metadata)
+                self._stream_.enabled = self._stream_enabled
+            self._inflight += 1
+            assert self._stub_ is not None and self._stream_ is not None
+            return self._stub_, self._stream_
+
+    @property
+    def _channel(self) -> grpc.Channel:
+        """The channel, opened if it is closed (for a caller that makes its own calls on it)."""
+        self._rpc()
+        self._done()
+        assert self._chan is not None
+        return self._chan
+
+    @property
+    def _stream(self) -> SyncTokenizeStream:
+        """The TokenizeStream, its channel opened if it is closed."""
+        _, stream = self._rpc()
+        self._done()
+        return stream
+
+    def _done(self, *_args: Any) -> None:  # noqa: ANN401 - also a future's done callback
+        with self._rpc_lock:
+            self._inflight -= 1
+
+    def _release(self) -> None:
+        """Close the channel (once: see the class) if no call is using it."""
+        with self._rpc_lock:
+            if self._released or self._inflight or self._chan is None:
+                return
+            self._released = True
+            channel, stream = self._chan, self._stream_
+            self._chan = self._stub_ = self._stream_ = None
+            if stream is not None:
+                self._stream_enabled = stream.enabled  # (a sidecar without the stream turned it off)
+        if stream is not None:
+            stream.close()
+        channel.close()
 
     def _learn(self, model: str, text: str, salt: str, mode: str) -> None:
         """A read's write without write access: the sidecar tokenizes (and stores) the text."""
         req = pb.TokenizeRequest(model=model, text=text, cache_salt=salt, add_special_tokens=False,
                                  mode=pb.TOKENIZE_MODE_EXACT if mode == "exact" else pb.TOKENIZE_MODE_KV_STABLE)
-        self._stub.Tokenize.future(req, timeout=_core.grpc_timeout(self.timeout), metadata=self._metadata or None)
+        stub, _ = self._rpc()
+        try:
+            future = stub.Tokenize.future(req, timeout=_core.grpc_timeout(self.timeout),
+                                          metadata=self._metadata or None)
+        except BaseException:
+            self._done()
+            raise
+        future.add_done_callback(self._done)
 
     def _local_result(self, model: str, text: str, add_special_tokens: bool | None, cache_salt: str | None,
                       mode: str | None) -> TokenizeResult | None:
@@ -77,8 +142,11 @@ class SidecarClient:
             except TokcacheError:
                 pass  # the RPC path reports it
         try:  # the common case first: no recorded output on its way, no wait made
-            return local.tokenize(model, text, add_special_tokens=add_special_tokens, cache_salt=cache_salt,
-                                  mode=mode, trace=self._metadata, may_wait=True)
+            out = local.tokenize(model, text, add_special_tokens=add_special_tokens, cache_salt=cache_salt,
+                                 mode=mode, trace=self._metadata, may_wait=True)
+            if out is not None and not self._released and local.writes_directly(model) is not None:
+                self._release()
+            return out
         except RecordPending:  # an output this text continues is on its way to the sidecar
             pass
         wait = PendingWait()
@@ -151,10 +219,14 @@ class SidecarClient:
                                    into=sreq.request)
         wait = timeout if timeout is not None else self.timeout
 
-        def unary(left: float | None) -> Any:
-            return self._call(self._stub.Tokenize, req, left)
+        stub, stream = self._rpc()
+        try:
+            def unary(left: float | None) -> Any:
+                return self._call_on(stub.Tokenize, req, left)
 
-        return _core.read_tokenize(self._stream.send(sreq, wait, unary), return_prompt_text)
+            return _core.read_tokenize(stream.send(sreq, wait, unary), return_prompt_text)
+        finally:
+            self._done()
 
     def render(self, model: str, messages: Sequence[Mapping[str, Any]], *,
                tools: Sequence[Mapping[str, Any]] | None = None, add_generation_prompt: bool = False,
@@ -165,7 +237,7 @@ class SidecarClient:
         req = _core.build_render(model, messages, tools=tools, add_generation_prompt=add_generation_prompt,
                                   continue_final_message=continue_final_message,
                                   chat_template_kwargs=chat_template_kwargs)
-        resp = self._call(self._stub.Render, req, timeout)
+        resp = self._call("Render", req, timeout)
         return str(resp.prompt_text)
 
     def record_output(self, model: str, *, prompt_text: str, prompt_token_ids: Sequence[int],
@@ -193,7 +265,7 @@ class SidecarClient:
                                  output_text=output_text, output_token_ids=output_token_ids,
                                  finish_reason=finish_reason, stop_reason=stop_reason, cache_salt=cache_salt,
                                  prompt_add_special_tokens=prompt_add_special_tokens)
-        resp = self._call(self._stub.RecordOutput, req, timeout)
+        resp = self._call("RecordOutput", req, timeout)
         return RecordResult(recorded_tokens=resp.recorded_tokens, stop_token_dropped=resp.stop_token_dropped,
                             entries=resp.entries)
 
@@ -210,16 +282,24 @@ class SidecarClient:
             if done is not None:
                 return done
         reqs = _core.build_records(model, records)
-        resp = self._call(self._stub.RecordOutputs, iter(reqs), timeout)
+        resp = self._call("RecordOutputs", iter(reqs), timeout)
         return RecordSummary(recorded=resp.recorded, refused=resp.refused,
                              refusals=[(r.index, r.reason) for r in resp.refusals])
 
     def list_models(self, *, timeout: float | None = None) -> list[ModelInfo]:
         """The models the sidecar serves, with tokenizer fingerprints."""
         _core.check_timeout(timeout)
-        return _core.read_models(self._call(self._stub.ListModels, pb.ListModelsRequest(), timeout))
+        return _core.read_models(self._call("ListModels", pb.ListModelsRequest(), timeout))
 
-    def _call(self, method: Any, req: Any, timeout: float | None) -> Any:
+    def _call(self, name: str, req: Any, timeout: float | None) -> Any:
+        """The unary or client-streaming RPC ``name``; errors translated."""
+        stub, _ = self._rpc()
+        try:
+            return self._call_on(getattr(stub, name), req, timeout)
+        finally:
+            self._done()
+
+    def _call_on(self, method: Any, req: Any, timeout: float | None) -> Any:
         try:
             return method(req, timeout=_core.grpc_timeout(timeout if timeout is not None else self.timeout),
                           metadata=self._metadata or None)
@@ -230,8 +310,14 @@ class SidecarClient:
         """Store pending writes, unmap shared memory, close the stream and the channel; idempotent."""
         if self._local is not None:
             self._local.close()
-        self._stream.close()
-        self._channel.close()
+        with self._rpc_lock:
+            channel, stream = self._chan, self._stream_
+            self._chan = self._stub_ = self._stream_ = None
+            self._released = True
+        if stream is not None:
+            stream.close()
+        if channel is not None:
+            channel.close()
 
     def __enter__(self) -> SidecarClient:
         return self

@@ -18,7 +18,7 @@ from typing import Any
 __all__ = ["ENGINE_API", "STORE_API", "ExtensionError", "engine", "load", "pure_python", "store"]
 
 # The version of tokcache.engine._speedups' functions this code calls (its ``API``).
-ENGINE_API = 17
+ENGINE_API = 18
 # The same for tokcache.store._speedups.
 STORE_API = 6
 

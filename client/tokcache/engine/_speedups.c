@@ -1378,6 +1378,87 @@ done:
     return out;
 }
 
+/* ---------------------------------------------------------------------------------- */
+/* segment_probe: the segment-AR keys of a tail's pieces that the index holds.          */
+
+PyDoc_STRVAR(segment_probe_doc,
+"segment_probe(data, spans, first, start, root, index_buffer, index_off, n_buckets, tail, now,\n"
+"              min_bytes, header_bytes, max_starts) -> list\n\n"
+"Lookup._encode_tail's segment-AR probes: the tail ``data[start:]`` cut at the boundary spans\n"
+"``spans[first:]`` into pieces (the bytes before each span, then after the last); for each piece\n"
+"of ``min_bytes`` or more, its candidate starts (0, then after each of its first newlines within\n"
+"``header_bytes``, at most ``max_starts``, each inside the piece) in order, the segment key of the\n"
+"piece from there (``root``, a Hasher fed the namespace's segment header, copied); the first whose\n"
+"slot is live (unexpired, at or above ``tail``) is listed as (piece index, start, key). Slots\n"
+"are only hints: the caller reads each listed key.");
+
+static PyObject *py_segment_probe(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *data, *spans, *root, *index_obj;
+    Py_ssize_t first, start, index_off, min_bytes, header_bytes, max_starts;
+    unsigned long long n_buckets, tail;
+    double now;
+    if (!PyArg_ParseTuple(args, "O!OnnOOnKKdnnn", &PyBytes_Type, &data, &spans, &first, &start, &root, &index_obj,
+                          &index_off, &n_buckets, &tail, &now, &min_bytes, &header_bytes, &max_starts))
+        return NULL;
+    if (!hasher_api || Py_TYPE(root) != hasher_api->type) {
+        PyErr_SetString(PyExc_TypeError, "segment_probe: root must be the store extension's Hasher");
+        return NULL;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(index_obj, &view, PyBUF_SIMPLE) < 0) return NULL;
+    PyObject *out = NULL;
+    if (index_off < 0 || n_buckets == 0 || n_buckets > (uint64_t)PY_SSIZE_T_MAX / TK_BUCKET_SIZE ||
+        (uint64_t)view.len < (uint64_t)index_off + n_buckets * TK_BUCKET_SIZE) {
+        PyErr_SetString(PyExc_ValueError, "the index does not fit the buffer");
+        goto done;
+    }
+    out = PyList_New(0);
+    if (!out) goto done;
+    const unsigned char *index = (const unsigned char *)view.buf + index_off;
+    const unsigned char *d = (const unsigned char *)PyBytes_AS_STRING(data);
+    Py_ssize_t total = PyBytes_GET_SIZE(data), n = spans_len(spans), a = start;
+    if (first < 0) first = 0;
+    for (Py_ssize_t k = 0, i = first; i <= n; i++, k++) {
+        Py_ssize_t s_i = total, e_i = total;
+        if (i < n && span_at(spans, i, &s_i, &e_i) < 0) goto fail;
+        if (s_i < a || s_i > total || e_i < s_i || e_i > total) {
+            PyErr_SetString(PyExc_ValueError, "segment_probe: spans out of order");
+            goto fail;
+        }
+        Py_ssize_t len = s_i - a;
+        if (len >= min_bytes) {
+            Py_ssize_t cand[8], nc = 0;
+            cand[nc++] = 0;
+            for (Py_ssize_t q = 0; q < len && q < header_bytes && nc < max_starts && nc < 8; q++)
+                if (d[a + q] == '\n' && q + 1 < len) cand[nc++] = q + 1;
+            for (Py_ssize_t c = 0; c < nc; c++) {
+                TkHashState h = ((TkHasher *)root)->state;
+                hasher_api->update(&h, d + a + cand[c], (size_t)(len - cand[c]));
+                unsigned char key[TK_KEY_SIZE];
+                hasher_api->finalize(&h, key, TK_KEY_SIZE);
+                int64_t sl = tk_find_slot(index, n_buckets, key);
+                if (sl >= 0 && tk_slot_live(index + sl, now, tail)) {
+                    PyObject *item = Py_BuildValue("(nny#)", k, cand[c], (const char *)key, (Py_ssize_t)TK_KEY_SIZE);
+                    if (!item || PyList_Append(out, item) < 0) {
+                        Py_XDECREF(item);
+                        goto fail;
+                    }
+                    Py_DECREF(item);
+                    break;
+                }
+            }
+        }
+        a = e_i;
+    }
+    goto done;
+fail:
+    Py_CLEAR(out);
+done:
+    PyBuffer_Release(&view);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"intern", py_intern, METH_VARARGS, intern_doc},
     {"unpack", py_unpack, METH_VARARGS, unpack_doc},
@@ -1388,6 +1469,7 @@ static PyMethodDef methods[] = {
     {"cut_tokens", py_cut_tokens, METH_VARARGS, cut_tokens_doc},
     {"extend", py_extend, METH_VARARGS, extend_doc},
     {"join", py_join, METH_VARARGS, join_doc},
+    {"segment_probe", py_segment_probe, METH_VARARGS, segment_probe_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1436,7 +1518,7 @@ PyMODINIT_FUNC PyInit__speedups(void) {
         return NULL;
     }
     Py_INCREF(&MatcherType);
-    if (PyModule_AddIntConstant(m, "API", 17) < 0 || PyModule_AddObject(m, "Matcher", (PyObject *)&MatcherType) < 0) {
+    if (PyModule_AddIntConstant(m, "API", 18) < 0 || PyModule_AddObject(m, "Matcher", (PyObject *)&MatcherType) < 0) {
         Py_DECREF(&MatcherType);
         Py_DECREF(m);
         return NULL;

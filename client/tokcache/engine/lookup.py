@@ -49,6 +49,7 @@ from tokcache.store.keys import (
     pending_key,
     root_hasher,
     segment_key,
+    segment_root,
 )
 
 __all__ = [
@@ -658,20 +659,29 @@ class Lookup(Generic[Ids, Out]):
             # where a generator's frame cost a cold request ~3 µs)
             root = None if base is None or bases.index(base) >= latest else base.line_root
             j = keyed[pos]
+            decision = Decision(source="l1", boundaries=len(spans), l1_disabled_reason=self.model.l1_disabled_reason,
+                                l0_hit=False, l1_hit=True, native=True)
+            ar_hit: _Hit[Ids] | None = None
+            if ar:
+                decision.ar_prefix_hit = False
+                if ar_at >= 0:
+                    # The recorded output's chain first: it runs through the L1 hit's record (a
+                    # recorded output is one record with its prompt's keys), which the L1 read
+                    # below then finds in this process's memo.
+                    ar_hit = self._ar_hit(store, ar_keys, j, ar_at, spans, decision)
             if held is None:  # a chain this process does not hold: read what it lacks
                 found = self._read(store, key)
                 if found is None:
                     return "chain_broken"
                 held, tokens = found
             hit: _Hit[Ids] = _Hit(held, tokens, spans[j][1], key, j + 1)
-            decision = Decision(source="l1", boundaries=len(spans), l1_disabled_reason=self.model.l1_disabled_reason,
-                                l0_hit=False, l1_hit=True, native=True)
-            if ar:
-                decision.ar_prefix_hit = False
-                if ar_at >= 0:
-                    hit = self._ar_hit(store, ar_keys, j, ar_at, spans, hit, decision)
-                    if decision.source == "ar":
-                        tail_chars = None  # counted from the L1 cut: the tail is decoded instead
+            if ar_hit is not None:
+                # Tokens gained over the L1 prefix: the recorded output (and the few prompt
+                # tokens between the L1 cut and the output).
+                decision.ar_spliced_tokens = ar_hit.tokens - tokens
+                hit = ar_hit
+            if decision.source == "ar":
+                tail_chars = None  # counted from the L1 cut: the tail is decoded instead
             if marked:
                 decision.ar_pending = self._marked(store, ar_keys, hit.first_new + (decision.source == "ar"))
         except StoreError:
@@ -681,6 +691,42 @@ class Lookup(Generic[Ids, Out]):
                     base=base, stable=stable, root=root)
         return self._serve(scan, None, store, ar, hit, decision, len(text), add_special_tokens, salt, tag, False,
                            t0, tail_chars, (salt, tag, keyed, keys_list, exact, state_cut, state_hasher, ar_keys))
+
+    def _splices(self, store: CacheView, scan: Scan, hit: _Hit[Ids], salt: str, tag: bytes) -> dict[int, tuple[int, bytes]]:
+        """Segment AR: the pieces of ``scan``'s tail after ``hit`` (the bytes before each boundary
+        past it, then after the last) that are recorded outputs, from their start or after one
+        of their first newlines (a role header): piece index -> (that start, the output's ids as
+        packed u32). The index is probed in one native call (each piece's keys hashed there);
+        only keys it holds are read, each proven by its record as any read is."""
+        data, spans = scan.data, scan.spans
+        region = store.native_region() if _native is not None else None
+        splices: dict[int, tuple[int, bytes]] = {}
+        if region is None:
+            a = hit.start
+            for k, s_i in enumerate([s for s, _ in spans[hit.first_new:]] + [len(data)]):
+                body = data[a:s_i]
+                if len(body) >= MIN_SEGMENT_BYTES and (got := _splice_at(store, body, _segment_starts(body), salt,
+                                                                         tag)) is not None:
+                    splices[k] = got
+                if s_i < len(data):
+                    a = spans[hit.first_new + k][1]
+            return splices
+        try:
+            hits = _native.segment_probe(data, spans, hit.first_new, hit.start, segment_root(salt, tag), *region,
+                                         store.tail(), time.time(), MIN_SEGMENT_BYTES, _SEGMENT_HEADER_BYTES,
+                                         _SEGMENT_MAX_STARTS)
+        except StoreError:
+            return splices
+        for k, p, _key in hits:
+            i = hit.first_new + k
+            a = spans[i - 1][1] if k else hit.start
+            body = data[a:spans[i][0] if i < len(spans) else len(data)]
+            starts = _segment_starts(body)
+            # From the start the index named (a slot is a hint: a read that fails tries the next).
+            got = _splice_at(store, body, starts[starts.index(p):] if p in starts else starts, salt, tag)
+            if got is not None:
+                splices[k] = got
+        return splices
 
     def _canonical_tail(self, scan: Scan, keyed: list[int], tail_text: str | None, start: int) -> _Tail[Out]:
         """The canonical ids of ``tail_text`` (``scan.data[start:]``; None: decoded here if
@@ -760,7 +806,7 @@ class Lookup(Generic[Ids, Out]):
         else:
             ids = found.held  # the key's own record is held: nothing to read, nothing to copy
         tokens = found.own.base + found.own.n
-        self.memo.put(found.own, ids, {key: found.own.n})
+        self.memo.put(found.own, ids, found.keys or {key: found.own.n})
         return ids, tokens
 
     def stored_exact(self, key: bytes) -> Ids | None:
@@ -799,29 +845,31 @@ class Lookup(Generic[Ids, Out]):
                 # starts: the highest such cut whose key is present and whose chain reads.
                 decision.ar_prefix_hit = False
                 keys.fill_ar(j + 1, n)
-                hit = self._ar_hit(store, keys.ar_keys, j, store.last_present(keys.ar_keys, j + 1, n), spans, hit,
-                                   decision)
+                found = self._ar_hit(store, keys.ar_keys, j, store.last_present(keys.ar_keys, j + 1, n), spans,
+                                     decision)
+                if found is not None:
+                    # Tokens gained over the L1 prefix: the recorded output (and the few
+                    # prompt tokens between the L1 cut and the output).
+                    decision.ar_spliced_tokens = found.tokens - hit.tokens
+                    hit = found
             return hit
         except StoreError:
             decision.store_errors += 1
             return _Hit(None, 0, 0, None, 0)
 
     def _ar_hit(self, store: CacheView, ar_keys: list[bytes], j: int, i: int, spans: Sequence[tuple[int, int]],
-                hit: _Hit[Ids], decision: Decision) -> _Hit[Ids]:
-        """The prefix AR hit past the L1 cut ``j`` (``hit``): from ``i``, the highest live AR key
-        (-1: none) down, the first whose chain reads; else ``hit``. Raises StoreError."""
+                decision: Decision) -> _Hit[Ids] | None:
+        """The prefix AR hit past the L1 cut ``j``: from ``i``, the highest live AR key (-1: none)
+        down, the first whose chain reads; else None. Raises StoreError."""
         while i >= 0:
             key = ar_keys[i]
             found = self._read(store, key)
             if found is not None:
                 decision.ar_prefix_hit = True
-                # Tokens gained over the L1 prefix: the recorded output (and the few
-                # prompt tokens between the L1 cut and the output).
-                decision.ar_spliced_tokens = found[1] - hit.tokens
                 decision.source = "ar"
                 return _Hit(found[0], found[1], spans[i][0], key, i)
             i = store.last_present(ar_keys, j + 1, i)
-        return hit
+        return None
 
     @staticmethod
     def _pending(store: CacheView, keys: TextKeys, lo: int) -> bool:
@@ -921,25 +969,15 @@ class Lookup(Generic[Ids, Out]):
             # cut falls is found from the boundary ids on the write path, if ever needed.
             # Nothing recorded applies here (no store is given then): a head may serve.
             return self._canonical_tail(scan, keyed, tail_text, hit.start)
+        splices = self._splices(store, scan, hit, salt, tag) if store is not None else {}
+        if not splices and not tier and self.model.boundary_ids:
+            return self._canonical_tail(scan, keyed, tail_text, hit.start)
         pieces: list[tuple[bytes, bytes]] = []
         a = hit.start
         for s_i, e_i in spans[hit.first_new:]:
             pieces.append((data[a:s_i], data[s_i:e_i]))
             a = e_i
         pieces.append((data[a:], b""))
-        splices: dict[int, tuple[int, bytes]] = {}
-        if store is not None:
-            for k, (body, _) in enumerate(pieces):
-                if len(body) < MIN_SEGMENT_BYTES:
-                    continue
-                for p in _segment_starts(body):
-                    try:
-                        found = store.read(segment_key(salt, tag, memoryview(body)[p:]))
-                    except StoreError:
-                        found = None
-                    if found is not None and found.held is None:
-                        splices[k] = (p, found.rest)
-                        break
         if tier:
             # The pieces after the last one a local record applies to may be outputs
             # recorded on another node (a tail reaching back past a keyed cut can hold
@@ -1053,6 +1091,19 @@ class WriteView(Protocol):
     def put(self, parent: bytes | None, parent_tokens: int, ids: bytes,
             entries: Sequence[tuple[bytes, int] | tuple[bytes, int, Kind]], kind: Kind, *,
             lock_timeout: float | None = None) -> RecordRef | None: ...
+
+
+def _splice_at(store: CacheView, body: bytes, starts: Sequence[int], salt: str, tag: bytes) -> tuple[int, bytes] | None:
+    """The first of ``starts`` from which ``body`` is a recorded output: (start, its ids as packed
+    u32), or None."""
+    for p in starts:
+        try:
+            found = store.read(segment_key(salt, tag, memoryview(body)[p:]))
+        except StoreError:
+            found = None
+        if found is not None and found.held is None:
+            return p, found.rest
+    return None
 
 
 def _segment_starts(piece: bytes) -> list[int]:

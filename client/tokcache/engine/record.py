@@ -33,7 +33,7 @@ from __future__ import annotations
 import json
 import threading
 from bisect import bisect_left
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic
@@ -319,10 +319,10 @@ class Recorder(Generic[Ids, Out]):
             how, chain = self._match_prompt(prompt_text, prompt_ids, salt, out, out_data, prompt_add_special_tokens)
         segments = self._segments(output_text, out_data, out, salt)
         # The chain's first choice and the segment records under one taking of the writer lock.
-        first, *others = chain
+        first = next(chain)
         refs = self._put_many([first.put, *(put for put, _ in segments)])
         ref, link = refs[0], first
-        for alt in others:  # the chain's parent went meanwhile: the next way to store it
+        for alt in chain:  # the chain's parent went meanwhile: the next way to store it (made now)
             if ref is not None:
                 break
             ref, link = self._put_many([alt.put])[0], alt
@@ -336,10 +336,11 @@ class Recorder(Generic[Ids, Out]):
 
     # -- the prompt + output chain -------------------------------------------------------
 
-    def _chain(self, served: Served[Ids, Out], salt: str, out: list[int], out_data: bytes) -> list[_Link[Ids]]:
-        """The ways to store ``out`` after a prompt a read served, best first: with the prompt's
-        entries the read left unstored, in one record continuing its hit; after the prompt's
-        stored L0 entry; alone, with the prompt's ids inline (its parent is gone)."""
+    def _chain(self, served: Served[Ids, Out], salt: str, out: list[int], out_data: bytes) -> Iterator[_Link[Ids]]:
+        """The ways to store ``out`` after a prompt a read served, best first, each made when
+        asked for: with the prompt's entries the read left unstored, in one record continuing
+        its hit; after the prompt's stored L0 entry; alone, with the prompt's ids inline (its
+        parent is gone)."""
         write = served.write
         n = served.n
         more = self.fmt.from_list(out)
@@ -349,28 +350,27 @@ class Recorder(Generic[Ids, Out]):
         else:
             data = utf8(served.text, "prompt_text")
             ar_key = output_key(data, out_data, salt=salt)
-        links: list[_Link[Ids]] = []
         if write is not None and write.decision.stored is None:
             tail = write.ids
             entries: list[tuple[bytes, int] | tuple[bytes, int, Kind]] = list(write.entries())
             entries.append((ar_key, tail.n + len(out), Kind.AR))
             packed = LISTS.to_u32(tail, tail.n) + pack_ids(out)
-            links.append(_Link((write.parent, write.parent_tokens, packed, entries, Kind.L1, 0), self, served.full, n,
-                               more, tail.n + len(out), write))
-        return links + self._after(served.full, n, data, salt, out, more, ar_key)
+            yield _Link((write.parent, write.parent_tokens, packed, entries, Kind.L1, 0), self, served.full, n,
+                        more, tail.n + len(out), write)
+        yield from self._after(served.full, n, data, salt, out, more, ar_key)
 
     def _after(self, full: Ids, n: int, data: bytes, salt: str, out: list[int], more: Ids,
-               ar_key: bytes) -> list[_Link[Ids]]:
+               ar_key: bytes) -> Iterator[_Link[Ids]]:
         """Storing ``out`` after a prompt whose ids are ``full[:n]``: chained to its L0 entry,
-        else with the prompt's ids inline."""
+        else with the prompt's ids inline (each made when asked for)."""
         packed = pack_ids(out)
         l0 = l0_key(data, salt=salt, mode="kv-stable")
-        return [_Link((l0, n, packed, [(ar_key, len(out), Kind.AR)], Kind.AR, 0), self, full, n, more, len(out)),
-                _Link((None, 0, self.fmt.to_u32(full, n) + packed, [(ar_key, n + len(out), Kind.AR)], Kind.AR, 0),
-                      self, full, n, more, n + len(out))]
+        yield _Link((l0, n, packed, [(ar_key, len(out), Kind.AR)], Kind.AR, 0), self, full, n, more, len(out))
+        yield _Link((None, 0, self.fmt.to_u32(full, n) + packed, [(ar_key, n + len(out), Kind.AR)], Kind.AR, 0),
+                    self, full, n, more, n + len(out))
 
     def _match_prompt(self, prompt_text: str, prompt_ids: Sequence[int] | bytes, salt: str, out: list[int],
-                      out_data: bytes, add_special_tokens: bool) -> tuple[str, list[_Link[Ids]]]:
+                      out_data: bytes, add_special_tokens: bool) -> tuple[str, Iterator[_Link[Ids]]]:
         """The prompt was not served here (or not as given): match its ids against what the
         segment holds, what a lookup serves, or its canonical encoding; how, and the ways to
         store the output after it."""
@@ -405,8 +405,8 @@ class Recorder(Generic[Ids, Out]):
                                                      "nor its canonical tokenization")
         # Canonical ids that tokcache does not serve for this text (another process's AR
         # applies to it): the record stands alone, the prompt's ids inline.
-        return "canonical", [_Link((None, 0, raw + pack_ids(out), [(ar_key, n + len(out), Kind.AR)], Kind.AR, 0),
-                                   self, None, n, more, n + len(out))]
+        return "canonical", iter([_Link((None, 0, raw + pack_ids(out), [(ar_key, n + len(out), Kind.AR)], Kind.AR,
+                                         0), self, None, n, more, n + len(out))])
 
     def _remember(self, ref: RecordRef, full: Ids, n: int, more: Ids, keys: dict[bytes, int]) -> None:
         """The record's chain in this process's memo: the turn that continues it reads nothing."""

@@ -131,20 +131,25 @@ class Segment:
 
 # madvise(2) MADV_POPULATE_READ (Linux 5.14): map a range's pages into this process now.
 _MADV_POPULATE_READ: Final = 22
+_MADV_POPULATE_WRITE: Final = 23
 
 
-def populate(mm: mmap.mmap, length: int) -> bool:
-    """Map the first ``length`` bytes (header and index) into this process's page tables.
+def populate(mm: mmap.mmap, length: int, writable: bool = False) -> bool:
+    """Map the first ``length`` bytes (header and index) into this process's page tables,
+    writable where the mapping is (``writable``).
 
     Index probes land on random pages of an index of tens of MiB: unpopulated, nearly
     every probe of a fresh process is a page fault (several µs each in a VM), which is
-    most of a lookup's cost until the whole index has been touched. Populating costs
-    ~1 ms per 40 MiB once, at attach. A populate that fails (older kernel, a page the
-    tmpfs cannot back) is harmless: it reports an error instead of faulting, and
-    pages then fault in one by one as before. Returns whether it succeeded.
+    most of a lookup's cost until the whole index has been touched. A writer's slot writes
+    land on random pages too, and a page populated for reading faults again on its first
+    write: a process that records outputs had ~3 such faults per request until it had
+    written to every page of the index. Populating costs ~1 ms per 40 MiB once, at attach.
+    A populate that fails (older kernel, a page the tmpfs cannot back) is harmless: it
+    reports an error instead of faulting, and pages then fault in one by one as before.
+    Returns whether it succeeded.
     """
     try:
-        mm.madvise(_MADV_POPULATE_READ, 0, length)
+        mm.madvise(_MADV_POPULATE_WRITE if writable else _MADV_POPULATE_READ, 0, length)
     except (OSError, ValueError, AttributeError):
         return False
     return True
@@ -184,7 +189,7 @@ def open_segment(name: str, fingerprint: bytes, size: int, id_bytes: int) -> Seg
                 except BaseException:
                     segment.close()
                     raise
-                populate(segment.mm, geometry.arena_off)
+                populate(segment.mm, geometry.arena_off, True)
                 return segment
         created = _create(name, fingerprint, geometry, id_bytes)
         if created is not None:
@@ -237,7 +242,7 @@ def attach_existing(name: str, fingerprint: bytes | None = None, *, writable: bo
         mm.close()
         shm.close_fd()
         raise
-    populate(mm, geometry.arena_off)
+    populate(mm, geometry.arena_off, writable)
     return Segment(name, geometry, mm, stat.st_ino, True, id_bytes, shm)
 
 
@@ -338,7 +343,7 @@ def _create(name: str, fingerprint: bytes, geometry: Geometry, id_bytes: int) ->
         except FileExistsError:
             return None
         published = True
-        populate(mm, geometry.arena_off)
+        populate(mm, geometry.arena_off, True)
         return Segment(name, geometry, mm, os.fstat(int(shm.fd)).st_ino, False, id_bytes, shm)
     finally:
         _unlink_quietly(tmp)

@@ -572,7 +572,8 @@ class Store:
             start = entry[3] if len(entry) > 3 else 0  # type: ignore[misc]
             if start and not (parent is None and 0 < start < n and start <= MAX_ENTRY_START):
                 raise ValueError(f"entry start must be in [1, n) in a record without parent, got {start}")
-            mapping[key] = (n, kind if len(entry) == 2 else Kind(entry[2]), start)
+            k = kind if len(entry) == 2 else entry[2]
+            mapping[key] = (n, k if type(k) is Kind else Kind(k), start)
         if not mapping:
             raise ValueError("entries must not be empty")
         if len(mapping) > MAX_ENTRIES:

@@ -70,9 +70,10 @@ PyDoc_STRVAR(walk_doc,
 "Log.walk_known: ``key``'s chain from the record at ``lsn_kind``, stopping at the first record\n"
 "``known(lsn, check8)`` (None: no such callable) says the caller holds. ``words``: the header as a\n"
 "buffer of u64 words (tail and head are read from it). Returns (rest, oldest, depth,\n"
-"key_expiry, chain_expiry, (lsn, check8, base, n, floor), held, held_tokens) with ``rest`` the\n"
-"stored ids (``id_bytes`` wide) after the held ones, or 1 (evicted) / 2 (corrupt). A chain of more\n"
-"than ``max_chain`` records is corrupt.");
+"key_expiry, chain_expiry, (lsn, check8, base, n, floor), held, held_tokens, keys) with ``rest`` the\n"
+"stored ids (``id_bytes`` wide) after the held ones and ``keys`` every chain key of the key's own\n"
+"record ({key: ids of the record it uses}), or 1 (evicted) / 2 (corrupt). A chain of more than\n"
+"``max_chain`` records is corrupt.");
 
 static PyObject *py_walk(PyObject *self, PyObject *args) {
     (void)self;
@@ -88,7 +89,7 @@ static PyObject *py_walk(PyObject *self, PyObject *args) {
         PyBuffer_Release(&key);
         return NULL;
     }
-    PyObject *result = NULL, *own = NULL, *held = NULL, *check8 = NULL;
+    PyObject *result = NULL, *own = NULL, *held = NULL, *check8 = NULL, *keys = NULL;
     /* The copied records (newest first) and where their taken ids are: grown as the walk goes. */
     unsigned char **recs = NULL;
     Py_ssize_t *from = NULL, *len = NULL;
@@ -186,6 +187,21 @@ static PyObject *py_walk(PyObject *self, PyObject *args) {
             own = Py_BuildValue("(KOkLK)", (unsigned long long)cur, check8, (unsigned long)base, n,
                                 (unsigned long long)floor);
             if (!own) goto done;
+            /* Every key the record holds for its chain (the memo then answers them all). */
+            keys = PyDict_New();
+            if (!keys) goto done;
+            for (uint64_t e = RECORD_SIZE; e < ids_off; e += ENTRY_SIZE) {
+                if (rec[e + 25] | rec[e + 26] | rec[e + 27]) continue; /* a segment entry */
+                PyObject *kb = PyBytes_FromStringAndSize((const char *)rec + e, KEY_SIZE);
+                PyObject *kn = kb ? PyLong_FromUnsignedLong(u32_at(rec + e + 16)) : NULL;
+                if (!kn || PyDict_SetItem(keys, kb, kn) < 0) {
+                    Py_XDECREF(kb);
+                    Py_XDECREF(kn);
+                    goto done;
+                }
+                Py_DECREF(kb);
+                Py_DECREF(kn);
+            }
             if (known != Py_None && !start) { /* (a segment entry is no chain prefix) */
                 PyObject *got = PyObject_CallFunction(known, "KO", (unsigned long long)cur, check8);
                 if (!got) goto done;
@@ -261,9 +277,9 @@ out:
             if (len[i]) memcpy(dst, recs[i] + from[i], (size_t)len[i]);
             dst += len[i];
         }
-        result = Py_BuildValue("(NKnkkOOK)", rest, (unsigned long long)cur, depth, (unsigned long)key_expiry,
+        result = Py_BuildValue("(NKnkkOOKO)", rest, (unsigned long long)cur, depth, (unsigned long)key_expiry,
                                (unsigned long)chain_expiry, own, held ? held : Py_None,
-                               (unsigned long long)held_tokens);
+                               (unsigned long long)held_tokens, keys);
     }
 #undef FAILED
 done:
@@ -275,6 +291,7 @@ done:
     Py_XDECREF(own);
     Py_XDECREF(held);
     Py_XDECREF(check8);
+    Py_XDECREF(keys);
     PyBuffer_Release(&words);
     PyBuffer_Release(&key);
     return result;

@@ -19,7 +19,8 @@ from typing import Any, NamedTuple
 from ._hash import Hasher, KeyHasher
 
 __all__ = ["CHECKPOINT_CUTS", "KEY_BYTES", "KEY_GRID", "KeyState", "KeyStream", "MODE_EXACT", "MODE_KV_STABLE",
-           "TextKeys", "extend_keyed", "l0_key", "namespace", "output_key", "pending_key", "root_hasher", "segment_key"]
+           "TextKeys", "extend_keyed", "l0_key", "namespace", "output_key", "pending_key", "root_hasher", "segment_key",
+           "segment_root"]
 
 KEY_BYTES = 16
 MODE_EXACT = b"C"  # canonical ids only
@@ -105,13 +106,13 @@ def pending_key(ar_key: bytes) -> bytes:
 def segment_key(salt: str, mode: bytes, text: bytes | memoryview) -> bytes:
     """Key of a segment-AR entry: a recorded output's text on its own (a read probes one per
     piece of its uncached tail: the namespace header is hashed once per namespace)."""
-    h = _segment_root(salt, mode).copy()
+    h = segment_root(salt, mode).copy()
     h.update(text)
     return h.digest()[:KEY_BYTES]
 
 
 @functools.lru_cache(maxsize=256)
-def _segment_root(salt: str, mode: bytes) -> KeyHasher:
+def segment_root(salt: str, mode: bytes) -> KeyHasher:
     """A hasher fed segment_key's namespace header: copy it, never update it."""
     return Hasher(b"tokcache/v1\x00S" + namespace(salt, mode))
 
