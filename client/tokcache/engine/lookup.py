@@ -692,7 +692,8 @@ class Lookup(Generic[Ids, Out]):
         return self._serve(scan, None, store, ar, hit, decision, len(text), add_special_tokens, salt, tag, False,
                            t0, tail_chars, (salt, tag, keyed, keys_list, exact, state_cut, state_hasher, ar_keys))
 
-    def _splices(self, store: CacheView, scan: Scan, hit: _Hit[Ids], salt: str, tag: bytes) -> dict[int, tuple[int, bytes]]:
+    def _splices(self, store: CacheView, scan: Scan, hit: _Hit[Ids], salt: str,
+                 tag: bytes) -> dict[int, tuple[int, bytes]]:
         """Segment AR: the pieces of ``scan``'s tail after ``hit`` (the bytes before each boundary
         past it, then after the last) that are recorded outputs, from their start or after one
         of their first newlines (a role header): piece index -> (that start, the output's ids as

@@ -33,9 +33,9 @@ and the writer reads the mapping only there. A full tmpfs then surfaces as Segme
 
 from __future__ import annotations
 
+import errno
 import logging
 import mmap
-import errno
 import os
 from collections.abc import Callable, Sequence
 from typing import Any, Final, NamedTuple
