@@ -23,6 +23,7 @@ from sidecar_client.vllm._config import PluginConfig, PluginConfigError
 from sidecar_client.vllm._fingerprint import find_tokenizer_json, fingerprint_file
 from sidecar_client.vllm._hooks import HookReport, check_hooks, export_state
 from sidecar_client.vllm._runtime import PluginRuntime
+from sidecar_client.vllm._scale_out import install_derender_wrapper, uninstall_derender_wrapper
 from sidecar_client.vllm._stats import PluginStats, install_prometheus
 from sidecar_client.vllm._trace import current_trace, install_into_vllm
 
@@ -84,6 +85,7 @@ def forget_process_state() -> None:
     with _process_lock:
         _process = None
     uninstall_generate_wrapper()
+    uninstall_derender_wrapper()
 
 
 def _make_runtime(config: VllmConfig, tokenizer: Any, report: HookReport) -> PluginRuntime | None:
@@ -112,6 +114,7 @@ def _make_runtime(config: VllmConfig, tokenizer: Any, report: HookReport) -> Plu
 
     runtime = PluginRuntime(plugin_config, fingerprint, tokenizer_file=path, decode=decode)
     install_generate_wrapper(runtime)
+    install_derender_wrapper(runtime)
     install_into_vllm()
     install_prometheus(runtime.stats, runtime.link.status)
     export_state(report.version, report.state)
