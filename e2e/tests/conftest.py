@@ -1,4 +1,4 @@
-"""Session fixtures: the tiny model, three sidecars, five vLLM servers started in parallel.
+"""Session fixtures: the tiny model, three sidecars, five vLLM servers and a render server started in parallel.
 
 - ``sidecar``: serves the model's own tokenizer (Qwen3) as ``qwen3``.
 - ``wrong_sidecar``: serves the Llama 3.2 tokenizer under the same name ``qwen3``.
@@ -120,7 +120,7 @@ def stack(request: pytest.FixtureRequest, workdir: Path, model_dir: Path, shm_pr
           llama_dir: Path) -> Iterator[dict[str, object]]:
     """Start the sidecars, launch the vLLM servers at once (no waiting); stop everything after.
 
-    Only the servers the selected tests use are launched (all five in ``make e2e``).
+    Only the servers the selected tests use are launched (all six in ``make e2e``).
     """
     wanted = {name for item in request.session.items for name in getattr(item, "fixturenames", ())}
     procs: dict[str, object] = {}
