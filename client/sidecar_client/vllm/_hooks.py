@@ -259,13 +259,12 @@ _state_labels: tuple[str, str, str] | None = None
 def export_state(version: str, state: str, hook: str = "") -> None:
     """Set ``tokcache_vllm_plugin_state{vllm, state, hook} = 1`` in this process. Never raises.
 
-    One series per process (a new state replaces the previous one). With
-    vLLM's multiprocess registry (``--api-server-count > 1``) the live
-    processes' series are merged (``livemax``).
+    ``state``: verified, unverified, hook_missing, rust_frontend or disabled. One series per
+    process (a new state replaces the previous one). With vLLM's multiprocess registry
+    (``--api-server-count > 1``) the live processes' series are merged (``livemax``).
     """
     global _state_gauge, _state_labels
-    if state not in _STATES:
-        raise ValueError(f"unknown state {state!r}")
+    assert state in _STATES, state
     try:
         from prometheus_client import Gauge
 

@@ -1,10 +1,13 @@
 """vLLM-facing glue: the ``tokcache`` renderer and the ``AsyncLLM.generate`` wrapper.
 
 Imported only by vLLM's renderer registry, i.e. in a frontend process (API
-server) when it builds a renderer. The renderer is vLLM's ``HfRenderer``
-with one change: prompt text goes to the sidecar's ``Tokenize`` (on the event
-loop, no executor hop) and falls back to vLLM's own tokenizer on any problem.
-The hook points are described in ``e2e/VLLM_HOOKS.md``.
+server, render server) when it builds a renderer. The renderer is vLLM's
+``HfRenderer`` with one change: prompt text goes to the sidecar's ``Tokenize``
+(on the event loop, no executor hop) and falls back to vLLM's own tokenizer on
+any problem. The first renderer of a process checks the hook points
+(``_hooks.check_hooks``), logs the start line, and installs the generate and
+derender wrappers (``_scale_out``). The hook points are described in
+``e2e/VLLM_HOOKS.md``.
 """
 
 from __future__ import annotations
@@ -154,6 +157,13 @@ def _start(renderer: Any, config: VllmConfig, tokenizer: Any) -> _Process:
         return state
 
 
+def _salt_of(kwargs: dict[str, Any]) -> str | None:
+    """The request's ``cache_salt`` from ``prompt_extras``; None when there is none or it is not a str."""
+    extras = kwargs.get("prompt_extras")
+    salt = extras.get("cache_salt") if isinstance(extras, dict) else None
+    return salt if isinstance(salt, str) else None
+
+
 class TokcacheRenderer(HfRenderer):  # type: ignore[misc,unused-ignore]
     """``HfRenderer`` whose prompt tokenization asks the tokcache sidecar first.
 
@@ -183,14 +193,14 @@ class TokcacheRenderer(HfRenderer):  # type: ignore[misc,unused-ignore]
     # The salt is read from prompt_extras; every argument is passed on unchanged, so these
     # overrides accept whatever this vLLM's methods accept (a missing hook included).
     async def render_chat_async(self, *args: Any, **kwargs: Any) -> Any:
-        token = _SALT.set((kwargs.get("prompt_extras") or {}).get("cache_salt"))
+        token = _SALT.set(_salt_of(kwargs))
         try:
             return await super().render_chat_async(*args, **kwargs)
         finally:
             _SALT.reset(token)
 
     async def render_cmpl_async(self, *args: Any, **kwargs: Any) -> Any:
-        token = _SALT.set((kwargs.get("prompt_extras") or {}).get("cache_salt"))
+        token = _SALT.set(_salt_of(kwargs))
         try:
             return await super().render_cmpl_async(*args, **kwargs)
         finally:
