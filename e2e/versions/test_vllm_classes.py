@@ -271,6 +271,14 @@ def test_derender_records_for_the_next_render(server: Any, model_dir: Path, side
     assert after["tokenize"].get("ar", 0) - before["tokenize"].get("ar", 0) == 2
     assert after["fallbacks"] == {} and after["record_skips"] == before["record_skips"]
 
+    # Without prompt ids nothing can be recorded: vLLM's answer is unchanged, the skip counted.
+    bare = loop.run_until_complete(post(server, "/v1/chat/completions/derender", {
+        "model": "tiny", "generate_response": {"request_id": "bare",
+                                               "choices": [{"index": 0, "token_ids": gen, "finish_reason": "stop"}]}}))
+    assert bare["choices"][0]["message"]["content"] == tok.decode(gen)
+    skips = stats()["record_skips"]
+    assert skips.get("no_prompt_ids", 0) - before["record_skips"].get("no_prompt_ids", 0) == 1
+
 
 def test_a_removed_hook_is_one_error_line_and_vllms_own_tokenization(
         server: Any, model_dir: Path, expected_version: str, lines: Lines, monkeypatch: pytest.MonkeyPatch,
