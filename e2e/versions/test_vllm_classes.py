@@ -280,6 +280,33 @@ def test_derender_records_for_the_next_render(server: Any, model_dir: Path, side
     assert skips.get("no_prompt_ids", 0) - before["record_skips"].get("no_prompt_ids", 0) == 1
 
 
+def test_an_unverified_version_whose_hooks_check_out_runs_with_one_warning(
+        server: Any, model_dir: Path, sidecar: Sidecar, lines: Lines, monkeypatch: pytest.MonkeyPatch,
+        loop: asyncio.AbstractEventLoop) -> None:
+    import vllm
+    from prometheus_client import REGISTRY
+
+    from sidecar_client.vllm._renderer import forget_process_state
+
+    forget_process_state()  # vLLM starts again, calling itself a version not verified
+    monkeypatch.setattr(vllm, "__version__", "0.99.0")
+    first = len(lines.records)
+    app = loop.run_until_complete(build_render_server(render_server_args(model_dir)))
+    messages = [{"role": "user", "content": "Unverified:\n\nstill served"}]
+    chat = loop.run_until_complete(post(app, "/v1/chat/completions/render", {"model": "tiny", "messages": messages}))
+    prompt = loop.run_until_complete(render(app, messages))["prompt"]
+    loud = [(r.levelname, r.getMessage()) for r in lines.records[first:] if r.levelname in ("WARNING", "ERROR")]
+    assert len(loud) == 1 and loud[0][0] == "WARNING", loud
+    assert loud[0][1].startswith("tokcache: vLLM 0.99.0 is not a verified version (verified: 0.32, 0.33, 0.34); "
+                                 "its hook points check out; sidecar unix://")
+    with SidecarClient(sidecar.address) as client:
+        want = client.tokenize("qwen3", text=prompt, add_special_tokens=False, mode="kv-stable")
+    assert chat["token_ids"] == want.token_ids and sum(stats()["served"].values()) == 2
+    assert REGISTRY.get_sample_value("tokcache_vllm_plugin_state",
+                                     {"vllm": "0.99.0", "state": "unverified", "hook": ""}) == 1.0
+    forget_process_state()
+
+
 def test_a_removed_hook_is_one_error_line_and_vllms_own_tokenization(
         server: Any, model_dir: Path, expected_version: str, lines: Lines, monkeypatch: pytest.MonkeyPatch,
         loop: asyncio.AbstractEventLoop) -> None:
