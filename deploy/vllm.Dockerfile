@@ -2,15 +2,16 @@
 #
 # vLLM with the tokcache plugin (`--tokenizer-mode tokcache`). Build from the repository root:
 #
-#   docker build -f deploy/vllm.Dockerfile -t REGISTRY/vllm-tokcache:0.33.0-tokcache0.1.0 \
-#       --build-arg VLLM_IMAGE=vllm/vllm-openai:v0.33.0 .
+#   docker build -f deploy/vllm.Dockerfile -t REGISTRY/vllm-tokcache:0.34.0-tokcache0.1.0 \
+#       --build-arg VLLM_IMAGE=vllm/vllm-openai:v0.34.0 .
 #
 # This is `pip install 'tokcache[vllm]'` from this checkout: tokcache is not published on PyPI,
 # so installing it by name from an index would fetch nothing (or somebody else's package).
 # The `vllm` extra is already satisfied by the base image; pip only adds tokcache's client
-# dependencies. Pin VLLM_IMAGE to a vLLM whose hook points the plugin supports (DESIGN.md).
+# dependencies. Pin VLLM_IMAGE to a verified vLLM (docs/vllm.md, "Versions"); on another one
+# the plugin checks its hook points at start and says whether it runs.
 
-ARG VLLM_IMAGE=vllm/vllm-openai:v0.33.0
+ARG VLLM_IMAGE=vllm/vllm-openai:v0.34.0
 FROM ${VLLM_IMAGE}
 
 # tokcache's C extensions are compiled by pip (setup.py): a C compiler and OpenSSL's headers

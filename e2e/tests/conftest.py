@@ -1,4 +1,4 @@
-"""Session fixtures: the tiny model, three sidecars, five vLLM servers started in parallel.
+"""Session fixtures: the tiny model, three sidecars, five vLLM servers and a render server started in parallel.
 
 - ``sidecar``: serves the model's own tokenizer (Qwen3) as ``qwen3``.
 - ``wrong_sidecar``: serves the Llama 3.2 tokenizer under the same name ``qwen3``.
@@ -8,6 +8,8 @@
 - ``fastokens``: the same with ``VLLM_USE_FASTOKENS=1`` and ``FASTOKENS_SEGMENT_CACHE=64`` (MiB).
 - ``plugin``: ``--tokenizer-mode tokcache`` against ``sidecar``.
 - ``mismatch``: ``--tokenizer-mode tokcache`` against ``wrong_sidecar`` (``TOKCACHE_MODEL=qwen3``).
+- ``render``: ``vllm launch render --tokenizer-mode tokcache`` against ``sidecar``: the GPU-less
+  render server of vLLM's scale-out layout, whose generate server is ``plugin`` (``--enable-scale-out``).
 - ``api2``: ``--tokenizer-mode tokcache --api-server-count 2`` against ``node_sidecar``, its
   prometheus multiprocess directory at ``<workdir>/prom-api2`` (read per process by a test).
 
@@ -118,7 +120,7 @@ def stack(request: pytest.FixtureRequest, workdir: Path, model_dir: Path, shm_pr
           llama_dir: Path) -> Iterator[dict[str, object]]:
     """Start the sidecars, launch the vLLM servers at once (no waiting); stop everything after.
 
-    Only the servers the selected tests use are launched (all five in ``make e2e``).
+    Only the servers the selected tests use are launched (all six in ``make e2e``).
     """
     wanted = {name for item in request.session.items for name in getattr(item, "fixturenames", ())}
     procs: dict[str, object] = {}
@@ -143,7 +145,9 @@ def stack(request: pytest.FixtureRequest, workdir: Path, model_dir: Path, shm_pr
                                             ["--tokenizer-mode", "tokcache", *details],
                                             env={**observe, "VLLM_USE_FASTOKENS": "1",
                                                  "FASTOKENS_SEGMENT_CACHE": "64"}, api_servers=1),
-            "plugin": lambda: VllmServer(workdir, "plugin", model_dir, ["--tokenizer-mode", "tokcache", *details],
+            # Also a scale-out generate server (/inference/v1/generate: token ids in) for `render`.
+            "plugin": lambda: VllmServer(workdir, "plugin", model_dir, ["--tokenizer-mode", "tokcache", *details,
+                                                                        "--enable-scale-out"],
                                          env={**PLUGIN_ENV, "TOKCACHE_ADDRESS": sidecar.address,
                                               # in-process decisions as spans on vLLM's log (the trace test)
                                               "OTEL_TRACES_EXPORTER": "console", "OTEL_BSP_SCHEDULE_DELAY": "100"},
@@ -151,6 +155,9 @@ def stack(request: pytest.FixtureRequest, workdir: Path, model_dir: Path, shm_pr
             "mismatch": lambda: VllmServer(workdir, "mismatch", model_dir, ["--tokenizer-mode", "tokcache"],
                                            env={**PLUGIN_ENV, "TOKCACHE_ADDRESS": wrong.address,
                                                 "TOKCACHE_MODEL": "qwen3"}),
+            # vLLM's GPU-less render server (`vllm launch render`) of the scale-out layout.
+            "render": lambda: VllmServer(workdir, "render", model_dir, ["--tokenizer-mode", "tokcache"],
+                                         env={**PLUGIN_ENV, "TOKCACHE_ADDRESS": sidecar.address}, render=True),
             "api2": lambda: VllmServer(workdir, "api2", model_dir, ["--tokenizer-mode", "tokcache", *details],
                                        env={**PLUGIN_ENV, "TOKCACHE_ADDRESS": node.address,
                                             "PROMETHEUS_MULTIPROC_DIR": str(prom)}, api_servers=2),
@@ -160,7 +167,7 @@ def stack(request: pytest.FixtureRequest, workdir: Path, model_dir: Path, shm_pr
                 procs[name] = make().launch()
         yield procs
     finally:
-        for name in ("baseline", "fastokens", "plugin", "mismatch", "api2", "sidecar", "wrong_sidecar",
+        for name in ("baseline", "fastokens", "plugin", "mismatch", "render", "api2", "sidecar", "wrong_sidecar",
                      "node_sidecar"):
             proc = procs.get(name)
             if proc is not None:
@@ -202,6 +209,11 @@ def plugin(stack: dict[str, object], report: Callable[[str], None]) -> VllmServe
 @pytest.fixture(scope="session")
 def mismatch(stack: dict[str, object], report: Callable[[str], None]) -> VllmServer:
     return _server(stack, "mismatch", report)
+
+
+@pytest.fixture(scope="session")
+def render(stack: dict[str, object], report: Callable[[str], None]) -> VllmServer:
+    return _server(stack, "render", report)
 
 
 @pytest.fixture(scope="session")

@@ -164,11 +164,13 @@ class VllmServer:
     API server process). ``api_servers=N``: vLLM's CLI, ``vllm serve MODEL
     --api-server-count N`` (through ``e2e/vllm_cli.py``), which with N > 1
     spawns N API server processes sharing the port (SO_REUSEPORT) and serves
-    /metrics from prometheus_client's multiprocess directory.
+    /metrics from prometheus_client's multiprocess directory. ``render=True``:
+    ``vllm launch render MODEL``, vLLM's GPU-less render server (no engine).
     """
 
     def __init__(self, workdir: Path, name: str, model_dir: Path, args: Sequence[str] = (),
-                 env: Mapping[str, str] | None = None, *, api_servers: int | None = None) -> None:
+                 env: Mapping[str, str] | None = None, *, api_servers: int | None = None,
+                 render: bool = False) -> None:
         workdir.mkdir(parents=True, exist_ok=True)
         self.name = name
         self.port = free_port()
@@ -182,7 +184,11 @@ class VllmServer:
                   "--enable-prefix-caching", "--block-size", str(BLOCK_SIZE), "--enforce-eager",
                   "--kv-cache-memory-bytes", str(KV_CACHE_BYTES), "--host", "127.0.0.1", "--port", str(self.port),
                   "--served-model-name", self.model]
-        if api_servers is None:
+        if render:
+            self.cmd = [sys.executable, str(ROOT / "e2e" / "vllm_cli.py"), "launch", "render", str(model_dir),
+                        "--max-model-len", str(MAX_MODEL_LEN), "--host", "127.0.0.1", "--port", str(self.port),
+                        "--served-model-name", self.model, *args]
+        elif api_servers is None:
             self.cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                         *common, *args]
         else:

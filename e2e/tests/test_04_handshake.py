@@ -18,7 +18,7 @@ from e2e.tests.harness import BANNED, VllmServer, wait_until
 def test_other_tokenizer_is_refused_and_vllm_serves_correctly(mismatch: VllmServer, baseline: VllmServer,
                                                               llama_dir: Path, model_dir: Path,
                                                               report: Callable[[str], None]) -> None:
-    from sidecar_client.vllm._fingerprint import fingerprint_file
+    from sidecar_client._fingerprint import fingerprint_file
 
     llama_fp = fingerprint_file(llama_dir / "tokenizer.json")
     qwen_fp = fingerprint_file(model_dir / "tokenizer.json")

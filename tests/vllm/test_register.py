@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.machinery
+import os
 import subprocess
 import sys
 import types
@@ -26,15 +28,18 @@ def fake_vllm(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[types.ModuleTyp
     vllm.__version__ = "0.32.0"  # type: ignore[attr-defined]
     tok_mod = types.ModuleType("vllm.tokenizers.registry")
     ren_mod = types.ModuleType("vllm.renderers.registry")
+    hf_mod = types.ModuleType("vllm.renderers.hf")
+    hf_mod.__spec__ = importlib.machinery.ModuleSpec("vllm.renderers.hf", None)
     tokenizers, renderers = Registry(), Registry()
     tok_mod.TokenizerRegistry = tokenizers  # type: ignore[attr-defined]
     ren_mod.RENDERER_REGISTRY = renderers  # type: ignore[attr-defined]
     for name, mod in {"vllm": vllm, "vllm.tokenizers": types.ModuleType("vllm.tokenizers"),
                       "vllm.tokenizers.registry": tok_mod, "vllm.renderers": types.ModuleType("vllm.renderers"),
-                      "vllm.renderers.registry": ren_mod}.items():
+                      "vllm.renderers.registry": ren_mod, "vllm.renderers.hf": hf_mod}.items():
         monkeypatch.setitem(sys.modules, name, mod)
     monkeypatch.setattr(plugin, "_registered", False)
-    monkeypatch.delenv("TOKCACHE_DISABLE", raising=False)
+    for name in ("TOKCACHE_DISABLE", "VLLM_USE_RUST_FRONTEND", "_TOKCACHE_BYPASS_NOTED"):
+        monkeypatch.delenv(name, raising=False)
     yield vllm, tokenizers, renderers
 
 
@@ -46,14 +51,50 @@ def test_registers_tokenizer_mode_and_renderer_once(fake_vllm: tuple[types.Modul
     assert renderers.calls == [("tokcache", "sidecar_client.vllm._renderer", "TokcacheRenderer")]
 
 
-def test_unsupported_version_keeps_the_mode_with_vllms_renderer(fake_vllm: tuple[types.ModuleType, Registry, Registry],
-                                                                caplog: pytest.LogCaptureFixture) -> None:
-    vllm, tokenizers, renderers = fake_vllm
+def test_an_unverified_version_registers_the_renderer(fake_vllm: tuple[types.ModuleType, Registry, Registry],
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    # The version alone decides nothing: the renderer checks the hook points when vLLM builds it.
+    vllm, _, renderers = fake_vllm
     vllm.__version__ = "0.35.1"  # type: ignore[attr-defined]
     plugin.register()
-    assert tokenizers.calls == [("tokcache", "vllm.tokenizers.hf", "CachedHfTokenizer")]
-    assert renderers.calls == [("tokcache", "vllm.renderers.hf", "HfRenderer")]
-    assert "vLLM 0.35.1 is outside the supported range >=0.32,<0.34" in caplog.text
+    assert renderers.calls == [("tokcache", "sidecar_client.vllm._renderer", "TokcacheRenderer")]
+    assert not [r for r in caplog.records if r.levelname in ("WARNING", "ERROR")]
+
+
+def test_without_vllms_hf_renderer_the_mode_uses_vllms_own(fake_vllm: tuple[types.ModuleType, Registry, Registry],
+                                                           monkeypatch: pytest.MonkeyPatch,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    _, tokenizers, renderers = fake_vllm
+    monkeypatch.delitem(sys.modules, "vllm.renderers.hf")
+    renderers.renderers = {"hf": ("vllm.renderers.hf2", "HfRenderer2")}  # type: ignore[attr-defined]
+    plugin.register()
+    assert renderers.calls == [("tokcache", "vllm.renderers.hf2", "HfRenderer2")]
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and "hook vllm.renderers.hf.HfRenderer is missing" in errors[0]
+
+
+def test_a_registry_without_register_is_one_error_line(fake_vllm: tuple[types.ModuleType, Registry, Registry],
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    _, tokenizers, renderers = fake_vllm
+    sys.modules["vllm.renderers.registry"].RENDERER_REGISTRY = object()  # type: ignore[attr-defined]
+    plugin.register()
+    assert tokenizers.calls == []
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and "hook RENDERER_REGISTRY.register is missing" in errors[0]
+
+
+def test_rust_frontend_is_one_line_per_serve(fake_vllm: tuple[types.ModuleType, Registry, Registry],
+                                             monkeypatch: pytest.MonkeyPatch,
+                                             caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("VLLM_USE_RUST_FRONTEND", "1")
+    plugin.register()
+    lines = [r.getMessage() for r in caplog.records if "Rust frontend" in r.getMessage()]
+    assert len(lines) == 1 and "tokcache is bypassed" in lines[0] and lines[0].startswith("tokcache: ")
+    # A process vLLM starts after loading plugins inherits the environment: it stays quiet.
+    assert os.environ.get("_TOKCACHE_BYPASS_NOTED") == "1"
+    monkeypatch.setattr(plugin, "_registered", False)
+    plugin.register()
+    assert len([r for r in caplog.records if "Rust frontend" in r.getMessage()]) == 1
 
 
 def test_disabled_uses_vllms_renderer(fake_vllm: tuple[types.ModuleType, Registry, Registry],

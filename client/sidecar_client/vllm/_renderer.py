@@ -1,10 +1,13 @@
 """vLLM-facing glue: the ``tokcache`` renderer and the ``AsyncLLM.generate`` wrapper.
 
 Imported only by vLLM's renderer registry, i.e. in a frontend process (API
-server) when it builds a renderer. The renderer is vLLM's ``HfRenderer``
-with one change: prompt text goes to the sidecar's ``Tokenize`` (on the event
-loop, no executor hop) and falls back to vLLM's own tokenizer on any problem.
-The hook points are described in ``e2e/VLLM_HOOKS.md``.
+server, render server) when it builds a renderer. The renderer is vLLM's
+``HfRenderer`` with one change: prompt text goes to the sidecar's ``Tokenize``
+(on the event loop, no executor hop) and falls back to vLLM's own tokenizer on
+any problem. The first renderer of a process checks the hook points
+(``_hooks.check_hooks``), logs the start line, and installs the generate and
+derender wrappers (``_scale_out``). The hook points are described in
+``e2e/VLLM_HOOKS.md``.
 """
 
 from __future__ import annotations
@@ -14,21 +17,24 @@ import logging
 import threading
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import vllm  # type: ignore[import-not-found,unused-ignore]
 from vllm.renderers.hf import HfRenderer  # type: ignore[import-not-found,unused-ignore]
 
 from sidecar_client._fingerprint import find_tokenizer_json, fingerprint_file
-from sidecar_client.vllm._config import PluginConfig, PluginConfigError, check_vllm_version
+from sidecar_client.vllm._config import PluginConfig, PluginConfigError
+from sidecar_client.vllm._hooks import HookReport, check_hooks, export_state
 from sidecar_client.vllm._runtime import PluginRuntime
-from sidecar_client.vllm._stats import install_prometheus
+from sidecar_client.vllm._scale_out import install_derender_wrapper, uninstall_derender_wrapper
+from sidecar_client.vllm._stats import PluginStats, install_prometheus
 from sidecar_client.vllm._trace import current_trace, install_into_vllm
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig  # type: ignore[import-not-found,unused-ignore]
 
-__all__ = ["TokcacheRenderer", "get_runtime"]
+__all__ = ["TokcacheRenderer", "forget_process_state", "get_runtime", "install_generate_wrapper",
+           "uninstall_generate_wrapper"]
 
 log = logging.getLogger("vllm.tokcache.renderer")
 
@@ -39,28 +45,67 @@ _SALT: contextvars.ContextVar[str | None] = contextvars.ContextVar("tokcache_sal
 # Encode kwargs the sidecar honours (get_encode_kwargs in vLLM 0.32/0.33); anything else falls back.
 _KNOWN_ENCODE_KWARGS = frozenset({"truncation", "max_length", "add_special_tokens"})
 
-_runtime: PluginRuntime | None = None
-_runtime_made = False
-_runtime_lock = threading.Lock()  # guards _runtime/_runtime_made: renderers may be built off the loop thread
+_process: _Process | None = None
+_process_lock = threading.Lock()  # guards _process: renderers may be built off the loop thread
+
+
+@dataclass
+class _Process:
+    """What the plugin decided in this process, at its first renderer.
+
+    ``runtime``: the plugin runs. Else vLLM tokenizes; ``bypass`` counts those
+    prompts when a hook is missing (``fallbacks["hook_missing"]``).
+    """
+
+    report: HookReport
+    runtime: PluginRuntime | None = None
+    bypass: PluginStats | None = None
+
+
+@dataclass(frozen=True)
+class _OffStatus:
+    """The link's status where there is no link (a missing hook): for the metrics' gauges."""
+
+    breaker: str = "closed"
+    breaker_opens: int = 0
+    model: str = ""
+    handshake: str = "off"
+    fingerprint: str = ""
 
 
 def get_runtime() -> PluginRuntime | None:
     """This process's runtime, if a tokcache renderer enabled one."""
-    return _runtime
+    return _process.runtime if _process is not None else None
 
 
-def _make_runtime(config: VllmConfig, tokenizer: Any) -> PluginRuntime | None:
+def forget_process_state() -> None:
+    """Undo what the first renderer did in this process (the generate wrapper, the runtime).
+
+    For tests that build renderers under different conditions in one process; the
+    next renderer checks the hooks and starts the plugin again. Not for use in vLLM.
+    """
+    global _process
+    with _process_lock:
+        _process = None
+    uninstall_generate_wrapper()
+    uninstall_derender_wrapper()
+
+
+def _make_runtime(config: VllmConfig, tokenizer: Any, report: HookReport) -> PluginRuntime | None:
     try:
         plugin_config = PluginConfig.from_env()
     except PluginConfigError as exc:
         log.error("tokcache: %s; the sidecar is not used (vLLM tokenizes in-process)", exc)
+        export_state(report.version, "disabled", "config")
         return None
     if plugin_config.disabled:
         log.info("tokcache: disabled by TOKCACHE_DISABLE; vLLM tokenizes in-process")
+        export_state(report.version, "disabled", "TOKCACHE_DISABLE")
         return None
     model_config = config.model_config
     if getattr(model_config, "is_encoder_decoder", False):
         log.info("tokcache: encoder-decoder model; the sidecar is not used")
+        export_state(report.version, "disabled", "encoder_decoder")
         return None
     path = find_tokenizer_json(getattr(model_config, "tokenizer", None), getattr(model_config, "model", None),
                                tokenizer=tokenizer, revision=getattr(model_config, "tokenizer_revision", None))
@@ -71,13 +116,16 @@ def _make_runtime(config: VllmConfig, tokenizer: Any) -> PluginRuntime | None:
 
     runtime = PluginRuntime(plugin_config, fingerprint, tokenizer_file=path, decode=decode)
     install_generate_wrapper(runtime)
+    install_derender_wrapper(runtime)
     install_into_vllm()
     install_prometheus(runtime.stats, runtime.link.status)
-    _, version_line = check_vllm_version(str(getattr(vllm, "__version__", "unknown")))
-    log.info("tokcache: %s; sidecar %s, model %s, deadline %g ms, breaker %d failures / %g s, record queue %d",
-             version_line, plugin_config.address, plugin_config.model or "(by tokenizer fingerprint)",
-             plugin_config.timeout_s * 1000, plugin_config.breaker_failures, plugin_config.breaker_reset_s,
-             plugin_config.record_queue)
+    export_state(report.version, report.state)
+    # The start line: a warning on a version whose hooks check out but that is not verified.
+    log.log(logging.INFO if report.verified else logging.WARNING,
+            "tokcache: %s; sidecar %s, model %s, deadline %g ms, breaker %d failures / %g s, record queue %d",
+            report.line(), plugin_config.address, plugin_config.model or "(by tokenizer fingerprint)",
+            plugin_config.timeout_s * 1000, plugin_config.breaker_failures, plugin_config.breaker_reset_s,
+            plugin_config.record_queue)
     if plugin_config.observe_only:
         log.info("tokcache: observe-only (TOKCACHE_OBSERVE_ONLY): vLLM tokenizes every prompt, the plugin times it")
     else:
@@ -85,55 +133,86 @@ def _make_runtime(config: VllmConfig, tokenizer: Any) -> PluginRuntime | None:
     return runtime
 
 
-def _runtime_for(config: VllmConfig, tokenizer: Any) -> PluginRuntime | None:
-    global _runtime, _runtime_made
-    with _runtime_lock:
-        if not _runtime_made:
-            _runtime_made = True
-            try:
-                _runtime = _make_runtime(config, tokenizer)
-            except Exception:
-                log.exception("tokcache: plugin setup failed; vLLM tokenizes in-process")
-                _runtime = None
-        return _runtime
+def _start(renderer: Any, config: VllmConfig, tokenizer: Any) -> _Process:
+    """Check the hooks and start the plugin, once per process (the first renderer does it)."""
+    global _process
+    with _process_lock:
+        if _process is not None:
+            return _process
+        report = check_hooks(renderer)
+        state = _process = _Process(report)
+        try:
+            if not report.ok:
+                log.error("tokcache: %s; vLLM tokenizes every prompt itself (counted: "
+                          "tokcache_vllm_fallback_total{reason=\"hook_missing\"})", report.line())
+                export_state(report.version, report.state, report.missing[0])
+                state.bypass = PluginStats()
+                install_prometheus(state.bypass, _OffStatus)
+            elif tokenizer is not None:
+                state.runtime = _make_runtime(config, tokenizer, report)
+        except Exception:
+            log.exception("tokcache: plugin setup failed; vLLM tokenizes in-process")
+            state.runtime = None
+        return state
+
+
+def _salt_of(kwargs: dict[str, Any]) -> str | None:
+    """The request's ``cache_salt`` from ``prompt_extras``; None when there is none or it is not a str."""
+    extras = kwargs.get("prompt_extras")
+    salt = extras.get("cache_salt") if isinstance(extras, dict) else None
+    return salt if isinstance(salt, str) else None
 
 
 class TokcacheRenderer(HfRenderer):  # type: ignore[misc,unused-ignore]
-    """``HfRenderer`` whose prompt tokenization asks the tokcache sidecar first."""
+    """``HfRenderer`` whose prompt tokenization asks the tokcache sidecar first.
+
+    With a hook point missing (``_hooks.check_hooks``) it is vLLM's ``HfRenderer``
+    exactly, each prompt counted as a ``hook_missing`` fallback.
+    """
 
     def __init__(self, config: VllmConfig, tokenizer: Any) -> None:
         super().__init__(config, tokenizer)
         self._tokcache: PluginRuntime | None = None
+        self._bypass: PluginStats | None = None
+        state = _start(self, config, tokenizer)
         # BaseRenderer.__init__ binds the async tokenizer as an INSTANCE attribute
         # (make_async(self._tokenize_prompt, executor)); a method of that name on this
         # class would be shadowed, so re-bind it here and keep vLLM's for the fallback.
         vllm_tokenize = self.__dict__.get("_tokenize_prompt_async")
         if vllm_tokenize is None:
-            log.warning("tokcache: this vLLM's renderer has no _tokenize_prompt_async attribute; "
-                        "the sidecar is not used")
-            return
+            return  # a missing hook: reported by _start
         self._vllm_tokenize_prompt_async: Callable[..., Awaitable[Any]] = vllm_tokenize
-        if tokenizer is not None:
-            self._tokcache = _runtime_for(config, tokenizer)
-        if self._tokcache is not None:
+        if state.runtime is not None and tokenizer is not None:
+            self._tokcache = state.runtime
             self._tokenize_prompt_async = self._tokcache_tokenize_prompt_async
+        elif state.bypass is not None:
+            self._bypass = state.bypass
+            self._tokenize_prompt_async = self._counted_vllm_tokenize_prompt_async
 
-    async def render_chat_async(self, conversations: Any, chat_params: Any, tok_params: Any = None, *,
-                                prompt_extras: dict[str, Any] | None = None, **kwargs: Any) -> Any:
-        token = _SALT.set((prompt_extras or {}).get("cache_salt"))
+    # The salt is read from prompt_extras; every argument is passed on unchanged, so these
+    # overrides accept whatever this vLLM's methods accept (a missing hook included).
+    async def render_chat_async(self, *args: Any, **kwargs: Any) -> Any:
+        token = _SALT.set(_salt_of(kwargs))
         try:
-            return await super().render_chat_async(conversations, chat_params, tok_params,
-                                                   prompt_extras=prompt_extras, **kwargs)
+            return await super().render_chat_async(*args, **kwargs)
         finally:
             _SALT.reset(token)
 
-    async def render_cmpl_async(self, prompts: Any, tok_params: Any = None, *,
-                                prompt_extras: dict[str, Any] | None = None, **kwargs: Any) -> Any:
-        token = _SALT.set((prompt_extras or {}).get("cache_salt"))
+    async def render_cmpl_async(self, *args: Any, **kwargs: Any) -> Any:
+        token = _SALT.set(_salt_of(kwargs))
         try:
-            return await super().render_cmpl_async(prompts, tok_params, prompt_extras=prompt_extras, **kwargs)
+            return await super().render_cmpl_async(*args, **kwargs)
         finally:
             _SALT.reset(token)
+
+    async def _counted_vllm_tokenize_prompt_async(self, *args: Any, **kwargs: Any) -> Any:
+        """vLLM's own tokenization, counted: the plugin found a hook point missing."""
+        assert self._bypass is not None
+        self._bypass.fallbacks["hook_missing"] += 1
+        t0 = time.perf_counter()
+        out = await self._vllm_tokenize_prompt_async(*args, **kwargs)
+        self._bypass.observe_tokenize("vllm", time.perf_counter() - t0)
+        return out
 
     def _unsupported(self, prompt: Any, params: Any, kwargs: dict[str, Any]) -> str | None:
         if not isinstance(prompt.get("prompt"), str):
@@ -212,3 +291,12 @@ def install_generate_wrapper(runtime: PluginRuntime) -> None:
     wrapped.tokcache_wrapped = True  # type: ignore[attr-defined]
     AsyncLLM.generate = wrapped
     log.info("tokcache: AsyncLLM.generate wrapped; finished outputs are recorded")
+
+
+def uninstall_generate_wrapper() -> None:
+    """Put vLLM's own ``AsyncLLM.generate`` back, if the plugin wrapped it; idempotent."""
+    from vllm.v1.engine.async_llm import AsyncLLM  # type: ignore[import-not-found,unused-ignore]
+
+    current = AsyncLLM.generate
+    if getattr(current, "tokcache_wrapped", False):
+        AsyncLLM.generate = current.__wrapped__
