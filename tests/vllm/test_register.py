@@ -115,3 +115,23 @@ def test_register_never_raises(monkeypatch: pytest.MonkeyPatch, caplog: pytest.L
 def test_importing_the_plugin_does_not_import_vllm() -> None:
     code = "import sys, sidecar_client.vllm; assert not any(m == 'vllm' or m.startswith('vllm.') for m in sys.modules)"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_a_broken_install_costs_the_cache_not_vllms_start(
+        fake_vllm: tuple[types.ModuleType, Registry, Registry], caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An extension that does not import (a failed or stale build): the mode still registers,
+    with vLLM's own renderer, and one error line names the extension."""
+    from tokcache import native
+
+    def broken() -> None:
+        raise native.ExtensionError("tokcache: the C extension tokcache.engine._speedups cannot be imported (gone)")
+
+    monkeypatch.setattr(native, "engine", broken)
+    _, tokenizers, renderers = fake_vllm
+    with caplog.at_level("ERROR", logger="vllm.tokcache"):
+        plugin.register()
+    assert renderers.calls == [("tokcache", "vllm.renderers.hf", "HfRenderer")]
+    assert tokenizers.calls == [("tokcache", "vllm.tokenizers.hf", "CachedHfTokenizer")]
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and "tokcache.engine._speedups" in errors[0]

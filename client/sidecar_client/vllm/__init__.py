@@ -112,6 +112,14 @@ def _register() -> None:
         RENDERER_REGISTRY.register(MODE, *hf_renderer)
         log.info("tokcache: disabled by TOKCACHE_DISABLE; mode %r uses vLLM's own HfRenderer", MODE)
         return
+    broken = _broken_install()
+    if broken is not None:
+        # The renderer imports the client library, which needs its C extensions: a broken
+        # install must cost this process its cache, never its start.
+        log.error("tokcache: %s; mode %r uses vLLM's own renderer", broken, MODE)
+        export_state(version, "broken_install", broken)
+        RENDERER_REGISTRY.register(MODE, *hf_renderer)
+        return
     if hf_renderer != HF_RENDERER or not _module_exists(HF_RENDERER[0]):
         # TokcacheRenderer subclasses vllm.renderers.hf.HfRenderer: importing it here would fail.
         hook = f"{'.'.join(HF_RENDERER)} is missing (vLLM's hf renderer is {'.'.join(hf_renderer)})"
@@ -130,6 +138,19 @@ def _vllm_entry(registry: Any, table: str, default: tuple[str, str]) -> tuple[st
     if isinstance(entry, tuple) and len(entry) == 2 and all(isinstance(e, str) for e in entry):
         return entry
     return default
+
+
+def _broken_install() -> str | None:
+    """Why tokcache's C extensions cannot be used in this process (a build that failed, or
+    that does not match these sources), or None when they load."""
+    from tokcache import native
+
+    try:
+        native.engine()
+        native.store()
+    except native.ExtensionError as exc:
+        return str(exc)
+    return None
 
 
 def _module_exists(name: str) -> bool:

@@ -54,7 +54,7 @@ RUST_FRONTEND_ENV = "VLLM_USE_RUST_FRONTEND"
 # started after plugin loading and inherit it, so the line appears once per `vllm serve`.
 BYPASS_NOTED_ENV = "_TOKCACHE_BYPASS_NOTED"
 
-_STATES = ("verified", "unverified", "hook_missing", "rust_frontend", "disabled")
+_STATES = ("verified", "unverified", "hook_missing", "broken_install", "rust_frontend", "disabled")
 
 
 def _minor(version: str) -> str | None:
@@ -259,7 +259,7 @@ _state_labels: tuple[str, str, str] | None = None
 def export_state(version: str, state: str, hook: str = "") -> None:
     """Set ``tokcache_vllm_plugin_state{vllm, state, hook} = 1`` in this process. Never raises.
 
-    ``state``: verified, unverified, hook_missing, rust_frontend or disabled. One series per
+    ``state``: verified, unverified, hook_missing, broken_install, rust_frontend or disabled. One series per
     process (a new state replaces the previous one). With vLLM's multiprocess registry
     (``--api-server-count > 1``) the live processes' series are merged (``livemax``).
     """

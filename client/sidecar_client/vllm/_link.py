@@ -371,6 +371,39 @@ class SidecarLink:
             log.exception("tokcache: could not mark records as pending")
             return 0
 
+    def record_here(self, model: str, record: Mapping[str, Any]) -> bool:
+        """Verify and store one record in this process, from and into the node's shared memory
+        (no RPC): True when it was handled here (recorded or refused, counted), False when this
+        process cannot write the segment (the caller sends it to the sidecar). Never raises."""
+        client = self._client
+        if client is None or client.local is None or self.handshake != "ready" or model != self.model:
+            return False
+        try:
+            done = client.local.record(model, **record)
+        except InvalidArgumentError as exc:
+            self.stats.records["refused"] += 1
+            self._refused(str(exc))
+            return True
+        except TokcacheError as exc:
+            self.stats.records["failed"] += 1
+            log.debug("tokcache: recording in this process failed: %r", exc)
+            return True
+        except Exception:
+            log.exception("tokcache: unexpected error recording an output in this process")
+            self.stats.records["failed"] += 1
+            return True
+        if done is None:
+            return False
+        self.stats.records["recorded"] += 1
+        return True
+
+    def _refused(self, reason: str) -> None:
+        """Log a refused record: the first few in full, then a sample (refusals are expected now
+        and then, e.g. special tokens in skipped text; a flood means a bug worth seeing)."""
+        self._refusals += 1
+        if self._refusals <= 10 or self._refusals % 1000 == 0:
+            log.info("tokcache: a record was refused (%d so far): %s", self._refusals, reason)
+
     async def record(self, model: str, records: list[Mapping[str, Any]], trace: Sequence[tuple[str, str]]) -> None:
         """Send ``records`` on one RecordOutputs stream; counts outcomes in ``stats``. Never raises."""
         n = len(records)
@@ -407,8 +440,4 @@ class SidecarLink:
         self.stats.records["recorded"] += resp.recorded
         self.stats.records["refused"] += resp.refused
         for _index, reason in resp.refusals:
-            self._refusals += 1
-            # The first few in full, then a sample: refusals are expected now and then
-            # (special tokens in skipped text), a flood means a bug worth seeing.
-            if self._refusals <= 10 or self._refusals % 1000 == 0:
-                log.info("tokcache: the sidecar refused a record (%d so far): %s", self._refusals, reason)
+            self._refused(reason)

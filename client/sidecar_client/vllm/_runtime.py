@@ -165,8 +165,11 @@ class RequestRecorder:
         self._assembler = ChoiceAssembler(delta=self.delta)
 
     def feed(self, outputs: Sequence[CompletionLike]) -> list[PendingRecord]:
-        """Take one ``RequestOutput.outputs``; the records it queued with a ``done`` future
-        (see :meth:`PluginRuntime.wait_records`). Never raises."""
+        """Take one ``RequestOutput.outputs`` and record the choices that finished in it: in this
+        process when it can write the node's segment (before returning: the output that
+        finishes a choice goes to vLLM after its record is stored, the time counted as the
+        response's wait), else queued for the sidecar; the queued ones with a ``done`` future,
+        for the response to wait on (see :meth:`PluginRuntime.wait_records`). Never raises."""
         waits: list[PendingRecord] = []
         try:
             finished = self._assembler.feed(outputs)
@@ -198,6 +201,10 @@ class RequestRecorder:
                       "output_text": choice.text, "output_token_ids": ids,
                       "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason,
                       "cache_salt": self.cache_salt, "prompt_add_special_tokens": self.add_special_tokens}
+            t0 = time.perf_counter()
+            if self.runtime.link.record_here(self.model, record):
+                stats.observe_record_wait(time.perf_counter() - t0, timed_out=False)
+                continue
             done = loop.create_future() if loop is not None else None
             item = PendingRecord(self.model, record, self.trace, done)
             if self.runtime.recorder.offer(item) and done is not None:
