@@ -625,21 +625,22 @@ TOKENIZE_SECONDS = "tokcache_vllm_tokenize_seconds"
 
 @dataclass(frozen=True)
 class Timing:
-    """A histogram's observations between two scrapes: count, mean (``_sum``/``_count``), p50 and p90
-    (:func:`histogram_quantile` in the buckets: as good as the bucket bounds around them)."""
+    """A histogram's observations between two scrapes: count, mean (``_sum``/``_count``), p50, p90
+    and p99 (:func:`histogram_quantile` in the buckets: as good as the bucket bounds around them)."""
 
     count: int
     mean: float | None
     p50: float | None
     p90: float | None
     slow: int = 0  # observations above SLOW_S (they make a mean far above the p90)
+    p99: float | None = None
 
     def text(self) -> str:
         def ms(x: float | None) -> str:
             return "-" if x is None else f"{1000 * x:.2f} ms"
 
         slow = f", {self.slow} over {SLOW_S * 1000:.0f} ms" if self.slow else ""
-        return f"n={self.count} p50 {ms(self.p50)} p90 {ms(self.p90)} mean {ms(self.mean)}{slow}"
+        return f"n={self.count} p50 {ms(self.p50)} p90 {ms(self.p90)} p99 {ms(self.p99)} mean {ms(self.mean)}{slow}"
 
 
 SLOW_S = 0.1  # a bucket bound of both plugin histograms
@@ -654,7 +655,8 @@ def timing(m0: Mapping[str, float], m1: Mapping[str, float], name: str, **labels
     total = delta(m1, m0, name + "_sum" + series)
     fast = dict(buckets).get(SLOW_S)
     return Timing(int(count), total / count if count else None, histogram_quantile(buckets, 0.5),
-                  histogram_quantile(buckets, 0.9), 0 if fast is None else int(count - fast))
+                  histogram_quantile(buckets, 0.9), 0 if fast is None else int(count - fast),
+                  histogram_quantile(buckets, 0.99))
 
 
 def tokenize_timings(m0: Mapping[str, float], m1: Mapping[str, float]) -> dict[str, Timing]:

@@ -13,6 +13,7 @@ breaker never opens.
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 
@@ -31,6 +32,7 @@ PROMPTS = ROUNDS * CONVS * TURNS
 LATER = ROUNDS * CONVS * (TURNS - 1)  # turns 2..5, which extend the turn before
 SEED = 70_000
 OPENS = "tokcache_vllm_breaker_opens_total"
+WAIT_P50_S, WAIT_P99_S = 0.001, 0.005  # a response's wait for its record stored in its own process
 
 
 def test_three_rounds_of_concurrent_conversations_lose_no_ids(plugin: VllmServer,
@@ -56,6 +58,8 @@ def test_three_rounds_of_concurrent_conversations_lose_no_ids(plugin: VllmServer
     fallbacks = labelled(m1, m0, "fallback", "reason")
     opens = delta(m1, m0, OPENS)
     waits = timing(m0, m1, "tokcache_vllm_response_wait_seconds")
+    per_turn = {k: [t.prefilled for turns in rounds for t in turns if t.turn == k and t.prefilled is not None]
+                for k in range(1, TURNS + 1)}
     exact = sum(t.exact for t in every)
     lines += [f"{'all':>5} {exact:>4}/{LATER}  ({exact + ROUNDS * CONVS}/{PROMPTS} counting every conversation's "
               "first turn)",
@@ -64,10 +68,15 @@ def test_three_rounds_of_concurrent_conversations_lose_no_ids(plugin: VllmServer
               f"records {labelled(m1, m0, 'records', 'result')}",
               "time to the ids: " + "; ".join(f"{path} {t.text()}" for path, t in tokenize_timings(m0, m1).items()),
               f"responses held for their records: {waits.text()}, timeouts "
-              f"{delta(m1, m0, 'tokcache_vllm_response_wait_timeouts_total'):.0f}"]
+              f"{delta(m1, m0, 'tokcache_vllm_response_wait_timeouts_total'):.0f}",
+              "prefilled per turn (median over the conversations): " + ", ".join(
+                  f"t{k} {statistics.median(v):.0f}" for k, v in per_turn.items() if v)]
     report("\n".join(lines))
 
     assert all(t.exact for t in every), "\n".join(lines)
     assert fallbacks == {}, fallbacks
     assert opens == 0
     assert sum(served.values()) == PROMPTS, served
+    # Each response waited for its record stored in its own process (records are never sent).
+    assert waits.p50 is not None and waits.p99 is not None, waits
+    assert waits.p50 <= WAIT_P50_S and waits.p99 <= WAIT_P99_S, waits.text()

@@ -36,10 +36,11 @@ log = logging.getLogger("vllm.tokcache.stats")
 
 BREAKER_STATES = {"closed": 0, "half_open": 1, "open": 2}
 
-# A response normally waits for one RecordOutputs round trip (~1 ms on a node); the
-# bound is TOKCACHE_RECORD_WAIT_MS (default 1 s). Fine buckets at the low end.
-RESPONSE_WAIT_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075,
-                         0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
+# A response waits for its records stored in vLLM's own process (a few hundred µs), or where
+# the process cannot write the node's segment for one RecordOutputs round trip (a few ms; the
+# bound is TOKCACHE_RECORD_WAIT_MS, default 1 s). Fine buckets at the low end.
+RESPONSE_WAIT_BUCKETS = (0.0001, 0.0002, 0.0003, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075,
+                         0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 # PluginStats counter attribute -> (metric name, help, label name, label values exported at 0)
 _FAMILIES: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
@@ -214,8 +215,9 @@ class _Export:
                 self.families[attr].labels(value)
         self.scalars = {attr: PromCounter(name, doc, registry=registry) for attr, (name, doc) in _SCALARS.items()}
         self.response_wait = Histogram("tokcache_vllm_response_wait_seconds",
-                                       "Seconds a finishing response waited for its records to be answered "
-                                       "by the sidecar", buckets=RESPONSE_WAIT_BUCKETS, registry=registry)
+                                       "Seconds a finishing response waited for its records: stored in this "
+                                       "process, or answered by the sidecar", buckets=RESPONSE_WAIT_BUCKETS,
+                                       registry=registry)
         self.tokenize_time = Histogram("tokcache_vllm_tokenize_seconds",
                                        "Seconds to produce a prompt's ids, by path: local (in this process from "
                                        "shared memory), sidecar (Tokenize RPC), vllm (vLLM's own tokenizer)",
