@@ -322,8 +322,9 @@ class Recorder(Generic[Ids, Out]):
         first = next(chain)
         refs = self._put_many([first.put, *(put for put, _ in segments)])
         ref, link = refs[0], first
-        for alt in chain:  # the chain's parent went meanwhile: the next way to store it (made now)
-            if ref is not None:
+        while ref is None:  # the chain's parent went meanwhile: the next way to store it (made now)
+            alt = next(chain, None)
+            if alt is None:
                 break
             ref, link = self._put_many([alt.put])[0], alt
         entries = 0
