@@ -138,8 +138,9 @@ def test_a_conversation_is_read_in_process_with_no_rpc_and_the_rpc_ids(
         assert stats["writes"] == {"stored": 9}
         # Every turn after the first extended the one before: the native fast path served it.
         assert stats["paths"] == {"python": 2, "native": 7}
-        # The warm-up and the first turn: nothing cached where the native path probes.
-        assert stats["declines"] == {"no_window_hit": 2}
+        # The warm-up (a text without boundaries) and the first turn (nothing cached where the
+        # native path probes) were read by the Python path.
+        assert stats["declines"] == {"unstable": 1, "no_window_hit": 1}
 
 
 def test_a_recording_process_leaves_its_reads_to_their_records_and_flush_stores_the_rest(
@@ -159,7 +160,7 @@ def test_a_recording_process_leaves_its_reads_to_their_records_and_flush_stores_
         before = dict(c.stats()["writes"])
 
         def writes() -> dict[str, int]:
-            return {k: v - before.get(k, 0) for k, v in c.stats()["writes"].items() if v != before.get(k, 0)}
+            return _delta(before, c.stats()["writes"])
 
         served = {t: c.tokenize("qwen3", text=t, add_special_tokens=False).token_ids for t in texts}
         assert writes() == {"deferred": 3}
@@ -283,13 +284,19 @@ def test_another_tokenizer_file_is_refused_by_fingerprint(sidecar: tuple[Sidecar
 
 def test_a_segment_the_client_may_not_write_is_read_and_learned_through_the_sidecar(
         sidecar: tuple[SidecarProcess, int], tmp_path: Path, qwen3_path: Path) -> None:
-    """A client that may read the segment but not write it: reads in-process, learns via RPC.
+    """A client that may read the segment but not write it: reads in-process, learns via RPC,
+    and records over RPC (the sidecar stores the output; the client's next turn, read in its
+    own process, extends prompt + output).
 
     The segment is handed to another owner with mode 0644 and the client runs without the
     capabilities that let root ignore file modes (``setpriv``), so opening it for writing
     fails as it would for a container running as another user.
     """
     proc, _ = sidecar
+    ref = tokenizers.Tokenizer.from_file(str(qwen3_path / "tokenizer.json"))
+    output = "Fine,  thanks.\n\nDone."
+    gen = _generated(ref, output) + ref.encode("<|im_end|>", add_special_tokens=False).ids
+    follow = output + "<|im_end|>\n" + TURN.format(q="and?")
     if shutil.which("setpriv") is None:
         pytest.skip("setpriv (util-linux) is not installed")
     prefix = proc.cmd[proc.cmd.index("--shm-prefix") + 1]
@@ -302,9 +309,16 @@ def test_a_segment_the_client_may_not_write_is_read_and_learned_through_the_side
         from sidecar_client import SidecarClient
         texts = {_conversation(4)!r}
         with SidecarClient({proc.address!r}, min_write_bytes=0) as c:
-            served = [c.tokenize("qwen3", text=t, add_special_tokens=False).served_by for t in texts]
+            results = [c.tokenize("qwen3", text=t, add_special_tokens=False) for t in texts]
             c.flush(10)
-            print(json.dumps({{"served": served, "stats": c.stats()}}))
+            stats = c.stats()
+            rec = c.record_output("qwen3", prompt_text=texts[-1], prompt_token_ids=results[-1].token_ids,
+                                  output_text={output!r}, output_token_ids={gen!r})
+            nxt = c.tokenize("qwen3", text=texts[-1] + {follow!r},
+                             add_special_tokens=False)
+            print(json.dumps({{"served": [r.served_by for r in results], "stats": stats, "entries": rec.entries,
+                              "records": c.stats()["records"], "prompt": results[-1].token_ids,
+                              "next": [nxt.served_by, nxt.decision.source, nxt.token_ids]}}))
     """))
     cmd = ["setpriv", "--inh-caps=-all", "--bounding-set=-all", "--", sys.executable, str(script)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
@@ -313,6 +327,10 @@ def test_a_segment_the_client_may_not_write_is_read_and_learned_through_the_side
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["served"] == ["local"] * 4
     assert got["stats"]["writes"].get("learned") == 4 and "stored" not in got["stats"]["writes"]
+    # The record went to the sidecar (stored there, not in the client's process).
+    assert got["entries"] > 0 and "recorded" not in got["records"]
+    served_by, source, ids = got["next"]
+    assert (served_by, source) == ("local", "ar") and ids[:len(got["prompt"]) + len(gen)] == got["prompt"] + gen
     # The sidecar stored what the read-only client learned (the learn RPCs are fire-and-forget).
     with SidecarClient(proc.address, zero_rpc=False) as c:
         last = _conversation(4)[-1]
@@ -666,6 +684,39 @@ def test_a_busy_writer_lock_costs_a_read_its_entries_never_its_time(
             assert again.token_ids == first.token_ids and again.decision.cached_chars >= len(texts[0]) - 2048
 
 
+@pytest.mark.xfail(strict=True, reason="a record under a busy writer lock waits RECORD_LOCK_S for each of its puts "
+                                       "(the chain, its fallback, each segment start): seconds, not RECORD_LOCK_S")
+def test_a_record_whose_writer_lock_stays_busy_gives_up_within_record_lock_s(
+        sidecar: tuple[SidecarProcess, int], qwen3_path: Path) -> None:
+    """A record waits RECORD_LOCK_S for the writer lock (vLLM's response waits for the record):
+    while another holder keeps it longer, the record stores nothing and reports no entries,
+    failing no request, and returns within about RECORD_LOCK_S. Once the lock is free the same
+    record is stored, and the next turn extends prompt + output."""
+    from sidecar_client._local import RECORD_LOCK_S
+
+    proc, _ = sidecar
+    ref = tokenizers.Tokenizer.from_file(str(qwen3_path / "tokenizer.json"))
+    output = "<think>\nLet me see: one, two.\n</think>\n\nOne, two,  three.\n\nDone — 42!"
+    prompt, follow = _chat("count, with reasons", output, "more")
+    gen = _generated(ref, output) + ref.encode("<|im_end|>", add_special_tokens=False).ids
+    with SidecarClient(proc.address) as c:
+        _records_here(c, ref)
+        local = _opened(c)
+        r = c.tokenize("qwen3", text=prompt, add_special_tokens=False)
+        record = {"prompt_text": prompt, "prompt_token_ids": r.token_ids, "output_text": output,
+                  "output_token_ids": gen}
+        with _writer_lock_held(local._writable, timeout=15):
+            t0 = time.monotonic()
+            busy = c.record_output("qwen3", **record)
+            took = time.monotonic() - t0
+        assert (busy.entries, busy.recorded_tokens) == (0, 0)
+        stored = c.record_output("qwen3", **record)
+        assert stored.entries > 0 and stored.recorded_tokens == len(gen) - 1
+        nxt = c.tokenize("qwen3", text=follow, add_special_tokens=False)
+        assert nxt.decision.source == "ar" and nxt.token_ids[:len(r.token_ids) + len(gen)] == r.token_ids + gen
+    assert took < RECORD_LOCK_S + 0.5, took
+
+
 @contextlib.contextmanager
 def _writer_lock_held(store: Any, timeout: float = 5.0) -> Iterator[None]:
     """``store``'s writer lock, taken by this thread until the block ends (or ``timeout``)."""
@@ -784,6 +835,11 @@ def _records_here(c: Any, ref: tokenizers.Tokenizer) -> Any:
     return both()
 
 
+def _delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    """The counts that moved from ``before`` to ``after`` (a stats() section), by how much."""
+    return {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
+
+
 def _generated(ref: tokenizers.Tokenizer, text: str) -> list[int]:
     """Ids a model could have generated for ``text``: every multi-character token split in two."""
     enc = ref.encode(text, add_special_tokens=False)
@@ -829,8 +885,9 @@ def test_a_turn_read_in_another_process_waits_for_a_record_marked_as_on_its_way(
             reader.stdin.close()
             assert reader.stdout.readline().strip() == "ready"
             time.sleep(0.5)  # the reader is reading the next turn meanwhile
-            writer.record_output("qwen3", prompt_text=prompt, prompt_token_ids=prompt_ids, output_text=output,
-                                 output_token_ids=out_ids, finish_reason="length")
+            recorded = writer.record_output("qwen3", prompt_text=prompt, prompt_token_ids=prompt_ids,
+                                            output_text=output, output_token_ids=out_ids, finish_reason="length")
+            assert recorded.entries > 0  # (none: the writer lock stayed busy for RECORD_LOCK_S)
             got = json.loads(reader.stdout.readline())
         finally:
             reader.wait(30)
@@ -839,7 +896,8 @@ def test_a_turn_read_in_another_process_waits_for_a_record_marked_as_on_its_way(
     assert got["served_by"] == "local"
     generated_prefix = prompt_ids + out_ids
     if marked:
-        assert got["ids"][:len(generated_prefix)] == generated_prefix and got["source"] == "ar"
+        assert got["ids"][:len(generated_prefix)] == generated_prefix and got["source"] == "ar", (
+            got["source"], got["seconds"], got["stats"])
         assert got["seconds"] >= 0.4 and got["stats"]["pending"] == {"waited": 1}
     else:
         assert got["ids"][:len(generated_prefix)] != generated_prefix and got["source"] != "ar"
@@ -958,6 +1016,7 @@ def test_the_plugin_records_in_its_process_and_another_api_server_extends_it_wit
 
     proc, _ = sidecar
     assert proc.proc is not None
+    pid = proc.proc.pid
     tj = qwen3_path / "tokenizer.json"
     ref = tokenizers.Tokenizer.from_file(str(tj))
     output = "One,  two,   three.\n\nFour five six 789 — and 10, 11, 12!"
@@ -981,7 +1040,7 @@ def test_the_plugin_records_in_its_process_and_another_api_server_extends_it_wit
         rec = a.start_request({"type": "token", "prompt": prompt, "prompt_token_ids": ids}, delta=False,
                               trace_headers=None)
         assert rec is not None
-        os.kill(proc.proc.pid, signal.SIGSTOP)
+        os.kill(pid, signal.SIGSTOP)
         try:
             waits = rec.feed([Out(0, output, out_ids, "length")])
             t0 = time.monotonic()
@@ -995,7 +1054,7 @@ def test_the_plugin_records_in_its_process_and_another_api_server_extends_it_wit
             got = await b.tokenize(follow, add_special_tokens=False, cache_salt=None)
             waited = time.monotonic() - t1
         finally:
-            os.kill(proc.proc.pid, signal.SIGCONT)
+            os.kill(pid, signal.SIGCONT)
         assert a.stats.records["recorded"] == 1 and held < 0.25, held
         assert a.stats.response_wait_timeouts == 0 and not any(a.stats.pending.values())
         assert got is not None and got[:len(ids) + len(out_ids)] == ids + out_ids
@@ -1079,8 +1138,7 @@ def test_a_recorded_prompt_is_stored_with_its_output_and_its_next_turn_takes_the
                 prev = r.token_ids + out_ids
                 text += output + "<|im_end|>\n" + TURN.format(q=f"and then {k}?")
             stats = c.stats()
-            return (sources, {k: v - before["writes"].get(k, 0) for k, v in stats["writes"].items()},
-                    {k: v - before["records"].get(k, 0) for k, v in stats["records"].items()})
+            return sources, _delta(before["writes"], stats["writes"]), _delta(before["records"], stats["records"])
         finally:
             await done(c.close())
 
@@ -1150,7 +1208,7 @@ def test_prompts_whose_records_never_come_are_stored_as_they_leave_the_bounded_t
         for t in texts:
             served[t] = c.tokenize("qwen3", text=t, add_special_tokens=False).token_ids
             assert len(local._served) <= 4
-        writes = {k: v - before.get(k, 0) for k, v in c.stats()["writes"].items()}
+        writes = _delta(before, c.stats()["writes"])
         assert writes == {"deferred": 12, "stored": 8}, writes
         assert [local.reader.probe(l0_key(t)) for t in texts] == [True] * 8 + [False] * 4
         assert c.flush()
@@ -1273,7 +1331,7 @@ def test_a_record_stores_its_prompt_and_output_as_one_chain_another_process_exte
         chain = [keys for flags, keys in records if not flags & F_SEGMENT]
         assert len(chain) == 1, records
         assert l0_key(prompt) in chain[0] and output_key(prompt, output) in chain[0]
-        assert len(chain[0]) >= 4  # and the prompt's cuts (L1)
+        assert len(chain[0]) >= 3  # and the prompt's cuts past what was stored (L1)
         segments = [k for flags, keys in records if flags & F_SEGMENT for k in keys]
         assert segment_key("", MODE_KV_STABLE, output.encode()) in segments
         assert result.entries == sum(len(keys) for _, keys in records)
@@ -1329,14 +1387,15 @@ def test_a_local_record_and_record_output_give_the_next_turns_the_same_ids(
             prev = mine.token_ids + gen
             text += output + "<|im_end|>\n" + TURN.format(q=f"and then ({k})?")
         assert local.stats()["records"] == {"recorded": len(outputs)}  # in this process: no RPC
-        by_sidecar = [rpc.tokenize("qwen3", text=text, add_special_tokens=False, cache_salt=salt)
-                      for salt in (here, there)]
     reads = subprocess.run([sys.executable, "-c", _READS, proc.address], input=json.dumps([[text, here],
                                                                                           [text, there]]),
                            capture_output=True, text=True, timeout=120,
                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert reads.returncode == 0, reads.stderr
     elsewhere = json.loads(reads.stdout.strip().splitlines()[-1])
+    with SidecarClient(proc.address, zero_rpc=False) as rpc:
+        by_sidecar = [rpc.tokenize("qwen3", text=text, add_special_tokens=False, cache_salt=salt)
+                      for salt in (here, there)]
     assert [r["served_by"] for r in elsewhere] == ["local", "local"]
     assert [r.served_by for r in by_sidecar] == ["sidecar", "sidecar"]
     assert [r["source"] for r in elsewhere] + [r.decision.source for r in by_sidecar] == ["ar"] * 4
