@@ -59,7 +59,7 @@ def test_token_bytes_equal_the_python_table_and_tokenizers_decode(vocab: tuple[T
     rng = random.Random(f"token-bytes-{size}")
     unknown = (size, size + 1, size + 10_000, 1 << 24, (1 << 30) - 1, 1 << 30, 1 << 40, -1, -(1 << 40))
     nones = 0
-    for trial in range(1500):
+    for trial in range(600):
         ids = [rng.randrange(size) for _ in range(rng.randint(0, 60))]
         if trial % 3 == 0:
             ids.insert(rng.randint(0, len(ids)), rng.choice(unknown))
@@ -78,7 +78,7 @@ def test_token_bytes_equal_the_python_table_and_tokenizers_decode(vocab: tuple[T
         assert table.decodes_to(ids, data) is True
         if data:
             assert table.decodes_to(ids, data[:-1]) is False
-    assert nones >= 400
+    assert nones >= 150
 
 
 def test_an_id_in_a_hole_of_the_vocabulary_has_no_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -134,7 +134,7 @@ def _served(draw: st.DrawFn) -> tuple[list[Any], tuple[Any, ...], tuple[tuple[li
     return ids, prefix, tuple(parts), n, suffix
 
 
-@settings(max_examples=1500, deadline=None)
+@settings(max_examples=500, deadline=None)
 @given(_served())
 def test_equal_ids_is_list_equality_with_the_served_ids(case: tuple[list[Any], tuple[Any, ...],
                                                                     tuple[tuple[list[Any], int], ...], int,
