@@ -33,7 +33,7 @@ from typing import Any
 
 import grpc
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import sidecar_client
@@ -632,6 +632,62 @@ def call(request: pytest.FixtureRequest, sidecar: SidecarProcess) -> Iterator[Ca
     loop.close()
 
 
+RECORD_METHODS = ("record_output", "record_outputs")
+# Each record the in-process path refuses runs its verification too: fewer examples than the RPC path's.
+_LOCAL_SETTINGS = settings(max_examples=60, deadline=None, database=None,
+                           suppress_health_check=[HealthCheck.too_slow])
+
+
+def _left_to_verification(args: Mapping[str, Any], field: str) -> bool:
+    """Whether the defect at ``field`` is in a prompt's contents (an id in prompt_token_ids, a
+    prompt_text that is a str), which the in-process path looks at only when verifying."""
+    if "prompt_token_ids[" in field:
+        return True
+    if not field.endswith("prompt_text"):
+        return False
+    record: Any = args
+    if field.startswith("records["):
+        records = args.get("records")
+        if not isinstance(records, (list, tuple)):
+            return False
+        record = records[int(field[len("records["):field.index("]")])]
+    return isinstance(record, Mapping) and isinstance(record.get("prompt_text"), str)
+
+
+def _hashable(value: object) -> bool:
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True
+
+
+@pytest.fixture(scope="module", params=["sync", "async"])
+def local_call(request: pytest.FixtureRequest, sidecar: SidecarProcess) -> Iterator[Call]:
+    """``call(method, **args)`` on a default client whose model is open in this process with a
+    writable mapping: its records are checked, verified and stored here, never sent."""
+    if request.param == "sync":
+        with SidecarClient(sidecar.address) as client:
+            while client.tokenize(MODEL, text="open the segment").served_by != "local":
+                pass
+            assert client._local is not None and client._local.writes_directly(MODEL) is not None
+            yield lambda method, **args: getattr(client, method)(**args)
+        return
+    loop = asyncio.new_event_loop()
+
+    async def make() -> AsyncSidecarClient:
+        aclient = AsyncSidecarClient(sidecar.address)
+        while (await aclient.tokenize(MODEL, text="open the segment")).served_by != "local":
+            await asyncio.sleep(0.01)
+        return aclient
+
+    aclient = loop.run_until_complete(make())
+    assert aclient.local is not None and aclient.local.writes_directly(MODEL) is not None
+    yield lambda method, **args: loop.run_until_complete(getattr(aclient, method)(**args))
+    loop.run_until_complete(aclient.close())
+    loop.close()
+
+
 _RESULTS = {"tokenize": TokenizeResult, "render": str, "record_output": RecordResult,
             "record_outputs": RecordSummary}
 _CLIENT_SETTINGS = settings(max_examples=120, deadline=None, database=None,
@@ -666,6 +722,105 @@ def test_client_raises_nothing_but_invalid_argument(call: Call, method: str, dat
     else:
         assert isinstance(result, _RESULTS[method])
 
+
+
+@pytest.mark.parametrize("method", RECORD_METHODS)
+@_LOCAL_SETTINGS
+@given(data=st.data())
+def test_local_records_name_the_one_defect(local_call: Call, method: str, data: st.DataObject) -> None:
+    """Records checked in this process (its writer stores them) name the defect as the RPC path
+    does. (A bad id in prompt_token_ids or a lone surrogate in prompt_text is left to
+    test_local_records_check_the_prompt_first, a model that is not hashable to
+    test_local_records_refuse_a_model_that_is_no_str.)"""
+    args, field, exact = data.draw(inject(method))
+    assume(not _left_to_verification(args, field) and _hashable(args.get("model")))
+    with pytest.raises(InvalidArgumentError) as exc:
+        local_call(method, **args)
+    _check_refusal(exc.value, field, exact)
+
+
+@pytest.mark.parametrize("method", RECORD_METHODS)
+@_LOCAL_SETTINGS
+@given(data=st.data())
+def test_local_records_raise_nothing_but_invalid_argument(local_call: Call, method: str,
+                                                          data: st.DataObject) -> None:
+    """(A model that is not hashable is left to test_local_records_refuse_a_model_that_is_no_str.)"""
+    args = data.draw(st.one_of(good_args(method), garbled(method)))
+    assume(_hashable(args.get("model")))
+    try:
+        result = local_call(method, **args)
+    except InvalidArgumentError as exc:
+        assert resolves(exc.field, _all_args(method, args)), (exc.field, str(exc))
+    except UnknownModelError:
+        assert isinstance(args["model"], str) and args["model"] != MODEL
+    else:
+        assert isinstance(result, _RESULTS[method])
+
+
+@pytest.mark.xfail(strict=True, reason="in-process records check prompt ids and prompt text contents only when "
+                                       "verifying: another field is named, record_outputs lists them, not raises")
+@pytest.mark.parametrize(("prompt", "field"), [({"prompt_token_ids": [-1]}, "prompt_token_ids[0]"),
+                                                ({"prompt_token_ids": [1.5]}, "prompt_token_ids[0]"),
+                                                ({"prompt_text": "\ud800"}, "prompt_text")],
+                         ids=["negative-id", "float-id", "surrogate"])
+def test_local_records_check_the_prompt_first(local_call: Call, prompt: dict[str, Any], field: str) -> None:
+    """A bad id in prompt_token_ids or a lone surrogate in prompt_text is an argument error, named
+    before the output is verified (here it does not spell its text either) and raised by
+    record_outputs, on the RPC path; in this process too."""
+    record = {"prompt_text": "p", "prompt_token_ids": [1], "output_text": "", "output_token_ids": [], **prompt}
+    e = _refused(local_call, "record_output", model=MODEL, **record)
+    assert (e.field, e.code) == (field, None), str(e)
+    e = _refused(local_call, "record_outputs", model=MODEL, records=[{**record, "output_text": "hello",
+                                                                       "output_token_ids": [14990]}])
+    assert (e.field, e.code) == (f"records[0].{field}", None), str(e)
+
+
+@pytest.mark.xfail(strict=True, reason="record_output/record_outputs raise TypeError (unhashable) for a list or "
+                                       "dict model on a client with the in-process path")
+@pytest.mark.parametrize("model", [[], {"name": MODEL}])
+def test_local_records_refuse_a_model_that_is_no_str(local_call: Call, model: Any) -> None:
+    """A model that is no str is named, as the RPC path names it, not a TypeError from a lookup."""
+    record = {"prompt_text": "p", "prompt_token_ids": [1], "output_text": "hello", "output_token_ids": [14990]}
+    assert _refused(local_call, "record_output", model=model, **record).field == "model"
+    assert _refused(local_call, "record_outputs", model=model, records=[record]).field == "model"
+
+
+def test_local_and_sidecar_records_name_the_same_field(sidecar: SidecarProcess) -> None:
+    """The same bad record, refused by this process's writer (``code`` None: nothing sent) and by
+    the sidecar's RecordOutput (from a client that never maps the segment): the same field,
+    for the arguments' checks and for verification (the output does not spell its text, an id
+    outside the vocabulary, a stop string, prompt ids that are not the served ones)."""
+    prompt = "<|im_start|>user\nname the field<|im_end|>\n<|im_start|>assistant\n"
+    with SidecarClient(sidecar.address) as local, SidecarClient(sidecar.address, **_rpc_only(SidecarClient)) as rpc:
+        while local.tokenize(MODEL, text="open the segment").served_by != "local":
+            pass
+        ids = {c: c.tokenize(MODEL, text=prompt, add_special_tokens=False).token_ids for c in (local, rpc)}
+        cases: list[tuple[dict[str, Any], str]] = [
+            ({"output_text": "goodbye"}, "output_token_ids"),
+            ({"output_token_ids": [14990, 200_000]}, "output_token_ids"),
+            ({"output_token_ids": [-1]}, "output_token_ids[0]"),
+            ({"output_token_ids": []}, "output_token_ids"),
+            ({"stop_reason": "</s>"}, "stop_reason"),
+            ({"prompt_token_ids": [1, -1]}, "prompt_token_ids[1]"),
+            ({"prompt_token_ids": "ids"}, "prompt_token_ids"),
+            ({"prompt_token_ids": "cut"}, "prompt_token_ids"),
+            ({"prompt_text": 5}, "prompt_text"),
+            ({"prompt_text": "a\ud800b"}, "prompt_text"),
+            ({"output_text": None}, "output_text"),
+            ({"finish_reason": 5}, "finish_reason"),
+            ({"cache_salt": b"s"}, "cache_salt"),
+            ({"prompt_add_special_tokens": "yes"}, "prompt_add_special_tokens"),
+        ]
+        for change, field in cases:
+            for c, sent in ((local, False), (rpc, True)):
+                record: dict[str, Any] = {"prompt_text": prompt, "prompt_token_ids": ids[c], "output_text": "hello",
+                                          "output_token_ids": [14990], **change}
+                if change.get("prompt_token_ids") == "cut":
+                    record["prompt_token_ids"] = ids[c][:-1]
+                e = _refused(c, "record_output", model=MODEL, **record)
+                assert e.field == field, (change, sent, str(e))
+                assert e.code is None or (sent and e.code == grpc.StatusCode.INVALID_ARGUMENT), (change, e.code)
+        assert local.stats()["records"].get("recorded", 0) == 0 and local.stats()["records"]["refused"] >= 5
 
 
 # Found by test_client_raises_nothing_but_invalid_argument (garbling drew timeout 0): a zero
@@ -738,9 +893,13 @@ def test_default_client_text_arguments(sidecar: SidecarProcess) -> None:
 # --------------------------------------------------------------------------- named examples
 
 
-def _refused(call: Call, method: str, **args: Any) -> InvalidArgumentError:
+def _refused(call: Call | SidecarClient, method: str, **args: Any) -> InvalidArgumentError:
+    """The refusal of ``method(**args)`` through ``call`` (or a client's method of that name)."""
     with pytest.raises(InvalidArgumentError) as exc:
-        call(method, **args)
+        if isinstance(call, SidecarClient):
+            getattr(call, method)(**args)
+        else:
+            call(method, **args)
     return exc.value
 
 

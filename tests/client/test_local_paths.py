@@ -60,19 +60,3 @@ def test_a_claimed_open_that_cannot_run_gives_its_claim_back(qwen3_path: Path) -
     assert again() is None  # no such segment: a real attempt, which does start RETRY_S
     assert paths.claim_open("m") is None
     paths.close()
-
-
-@pytest.mark.parametrize("queued, text", [
-    ("", ""), ("", "abc"), ("abc", "ab"), ("abc", "abc"), ("abc", "abcd"), ("abc", "xbcd"),
-    ("s" * 40 + "tail", "s" * 40 + "tail and more"),        # extends it
-    ("s" * 40 + "tail", "s" * 40 + "tall and more"),        # differs in the compared end
-    ("x" + "s" * 40, "y" + "s" * 40 + " more"),            # same end, differs before it
-    ("s" * 40 + "🛠️ end", "s" * 40 + "🛠️ end\n"),           # characters outside the BMP
-    ("s" * 40 + "🛠️ end", "s" * 40 + "🛠️ enD\n"),
-])
-def test_a_queued_write_is_related_exactly_when_the_text_extends_it(queued: str, text: str) -> None:
-    """The write-behind's related writes (boundaries.extended over the queue, which compares each
-    text's last character first) are those ``text.startswith(queued)`` says: a request stores
-    inline exactly its own turns' writes."""
-    pending = _local._Pending(None, queued, "", "kv-stable")  # type: ignore[arg-type]
-    assert _local.extended(text, [pending], "text") == ([0] if text.startswith(queued) else [])

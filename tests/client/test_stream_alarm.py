@@ -1,13 +1,17 @@
 """The sync stream's alarm thread survives a deadline years away (a huge timeout is valid
 input: a lock wait that long raises OverflowError, which ended the thread and with it every
-later deadline on the stream — seen in CI's fresh-clone run on 3.10)."""
+later deadline on the stream — seen in CI's fresh-clone run on 3.10), and a call's time left."""
 
 from __future__ import annotations
 
 import threading
 import time
 
+import grpc
+import pytest
+
 from sidecar_client._tokenize_stream import _Alarm, _left
+from sidecar_client.errors import DeadlineExceeded
 
 
 class _Call:
@@ -37,7 +41,13 @@ def test_a_far_deadline_keeps_the_alarm_alive_for_the_next_call() -> None:
         alarm.close()
 
 
-def test_waits_are_capped_at_what_a_lock_takes() -> None:
-    assert _left(time.monotonic() + 1e300) == threading.TIMEOUT_MAX
+def test_the_time_left_of_a_call_s_deadline() -> None:
+    """What a stream call has left of its deadline: nothing to wait for without one, the
+    seconds of a far one (the alarm caps its own wait, see above), DeadlineExceeded once it
+    has passed (before anything is sent)."""
     assert _left(None) is None
-    assert _left(time.monotonic() - 1) == 0.0
+    assert _left(time.monotonic() + 1e300) > 1e299
+    assert 9.0 < (_left(time.monotonic() + 10) or 0) <= 10
+    with pytest.raises(DeadlineExceeded) as exc:
+        _left(time.monotonic() - 1)
+    assert exc.value.code == grpc.StatusCode.DEADLINE_EXCEEDED

@@ -64,11 +64,15 @@ def test_streamed_and_unary_records_give_the_same_state(address: str, engine: Mo
         assert unary[t][:len(unary[t - 1]) + len(gen)] == unary[t - 1] + gen
 
 
-def test_refusals_are_typed_and_streams_continue(address: str, engine: ModelEngine) -> None:
+@pytest.mark.parametrize("zero_rpc", [False, True], ids=["record-output", "in-process"])
+def test_refusals_are_typed_and_streams_continue(address: str, engine: ModelEngine, zero_rpc: bool) -> None:
+    """The same refusals, by the same field, from the sidecar's RecordOutput(s) and from the
+    writer in a client process whose model is open with a writable mapping (nothing sent)."""
     salt = uuid.uuid4().hex
-    with SidecarClient(address) as c:
+    with SidecarClient(address, zero_rpc=zero_rpc) as c:
         r = c.tokenize("qwen3", text="<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
                        add_special_tokens=False, cache_salt=salt)
+        assert r.served_by == ("local" if zero_rpc else "sidecar")
         good = {"prompt_text": "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
                 "prompt_token_ids": r.token_ids, "output_text": "hello", "output_token_ids": [14990],
                 "cache_salt": salt}
@@ -84,6 +88,8 @@ def test_refusals_are_typed_and_streams_continue(address: str, engine: ModelEngi
         summary = c.record_outputs("qwen3", [good, {**good, "output_text": "bad"}, good])
         assert (summary.recorded, summary.refused) == (2, 1)
         assert summary.refusals[0][0] == 1 and "output_token_ids" in summary.refusals[0][1]
+        # Where they were decided: in this process (refused, then two recorded) or by the sidecar.
+        assert c.stats().get("records", {}) == ({"refused": 3, "recorded": 2} if zero_rpc else {})
 
 
 def test_output_assembler_async(address: str, engine: ModelEngine) -> None:

@@ -20,16 +20,17 @@ import textwrap
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import tokenizers
 
-from sidecar_client import AsyncSidecarClient, SidecarClient
+from sidecar_client import AsyncSidecarClient, InvalidArgumentError, SidecarClient
 from sidecar_client._local import MIN_FIRST_WRITE_BYTES, MIN_WRITE_BYTES, LocalModel
 from tests.integration.sidecar_proc import SidecarProcess
+from tokcache.store.keys import l0_key
 
 TURN = "<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n"
 
@@ -96,66 +97,84 @@ def sidecar(tmp_path: Path, qwen3_path: Path, shm_prefix: str) -> Iterator[tuple
 
 
 def test_a_conversation_is_read_in_process_with_no_rpc_and_the_rpc_ids(
-        sidecar: tuple[SidecarProcess, int], qwen3_path: Path) -> None:
+        sidecar: tuple[SidecarProcess, int], qwen3_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Eight turns read in this process: no Tokenize RPC, the reference's ids, each turn found the
+    one before (the native path served it). A process that records no outputs stores each
+    read's entries in the request, in the caller's thread (min_write_bytes=0: these turns are
+    short): the sidecar then finds every text whole, with the ids this process served, and
+    no flush is needed. The caller's list is its own: changing it changes nothing kept."""
+    from sidecar_client import _local
+
     proc, port = sidecar
     ref = tokenizers.Tokenizer.from_file(str(qwen3_path / "tokenizer.json"))
     texts = _conversation(8)
-    # min_write_bytes=0: every read stores what it learned (these turns are short).
+    stored_by: list[str] = []
+    real_commit = _local.commit
+
+    def commit(*args: Any, **kwargs: Any) -> Any:
+        stored_by.append(threading.current_thread().name)
+        return real_commit(*args, **kwargs)
+
+    monkeypatch.setattr(_local, "commit", commit)
     with SidecarClient(proc.address, min_write_bytes=0) as local, SidecarClient(proc.address, zero_rpc=False) as rpc:
         local.tokenize("qwen3", text="warm up")  # one ListModels, then the segment is mapped
         before = _tokenize_rpcs(port)
-        results = []
+        results, served = [], []
         for text in texts:
             r = local.tokenize("qwen3", text=text, add_special_tokens=False)
             assert r.served_by == "local"
             assert r.token_ids == ref.encode(text, add_special_tokens=False).ids
             results.append(r)
+            served.append(list(r.token_ids))
+            r.token_ids[:] = [-1]  # the caller's own list
         assert _tokenize_rpcs(port) == before  # not one RPC for eight requests
         assert [r.decision.source for r in results[1:]] == ["l1"] * 7  # each turn found the one before
-        assert local.flush(10)
-        # What the reads learned is in the segment: the RPC path finds it, with the same ids.
-        # Each turn's write held its turn before's entries (the turns came faster than HOLD_S):
-        # the first turn (nothing cached: never held) and the last are found whole, the others
-        # by prefix.
-        for text, r in zip(texts, results, strict=True):
+        assert stored_by == [threading.current_thread().name] * 9  # the warm-up and each turn, in the request
+        for text, ids in zip(texts, served, strict=True):
             again = rpc.tokenize("qwen3", text=text, add_special_tokens=False)
-            assert again.served_by == "sidecar" and again.token_ids == r.token_ids
-            assert again.decision.source == ("l0" if text is texts[0] or text is texts[-1] else "l1")
-            assert again.decision.cached_chars >= len(text) - 2048  # at most a key's spacing encoded
+            assert again.served_by == "sidecar" and again.token_ids == ids and again.decision.source == "l0"
         stats = local.stats()
         assert stats["tokenize"] == {"miss": 2, "l1": 7}
-        # Stored: the warm-up's, the first turn's (nothing cached: never held) and the last turn's.
-        assert stats["writes"] == {"stored": 3, "superseded": 6}
+        assert stats["writes"] == {"stored": 9}
         # Every turn after the first extended the one before: the native fast path served it.
         assert stats["paths"] == {"python": 2, "native": 7}
-        assert stats["declines"] == {"no_base": 2}  # the warm-up and the first turn extend nothing read here
+        # The warm-up (a text without boundaries) and the first turn (nothing cached where the
+        # native path probes) were read by the Python path.
+        assert stats["declines"] == {"unstable": 1, "no_window_hit": 1}
 
 
-def test_a_conversations_write_is_held_superseded_by_its_next_turn_and_stored_once_it_pauses(
+def test_a_recording_process_leaves_its_reads_to_their_records_and_flush_stores_the_rest(
         sidecar: tuple[SidecarProcess, int], qwen3_path: Path) -> None:
-    """Turns of one conversation faster than HOLD_S: each turn's write replaces the one before
-    (it holds its entries), and the last one is stored HOLD_S after it without a flush, by
-    the background thread. Another client (the RPC path) then finds every turn with the ids
-    this process served; a text whose write was superseded is found by prefix."""
-    from sidecar_client._local import HOLD_S
-
+    """Once a process has recorded an output, its kv-stable reads store nothing themselves
+    (``deferred``): a record stores its prompt's entries with the output, in one chain. Prompts
+    whose records never come (aborted requests) are stored by ``flush``, as the reads' own
+    writes would have been; the sidecar then finds them whole with the ids served here. An
+    exact-mode read (no record can follow it) stores its entries in the request."""
     proc, _ = sidecar
     ref = tokenizers.Tokenizer.from_file(str(qwen3_path / "tokenizer.json"))
-    texts = _conversation(5)
-    with SidecarClient(proc.address, min_write_bytes=0) as local, SidecarClient(proc.address, zero_rpc=False) as rpc:
-        results = [local.tokenize("qwen3", text=t, add_special_tokens=False) for t in texts]
-        assert all(r.served_by == "local" for r in results)
-        # The last turn's write lands without a flush, HOLD_S after its read was settled (in
-        # the pause after it) and a writer tick at most.
-        deadline = time.monotonic() + HOLD_S + 5
-        while local.stats()["writes"].get("stored", 0) < 2 and time.monotonic() < deadline:
-            time.sleep(0.02)
-        # Stored: the first turn's and the last's; superseded: turns 2-4's, each by the turn after.
-        assert local.stats()["writes"] == {"stored": 2, "superseded": 3}
-        for text, r in zip(texts, results, strict=True):
-            again = rpc.tokenize("qwen3", text=text, add_special_tokens=False)
-            assert again.token_ids == r.token_ids == ref.encode(text, add_special_tokens=False).ids
-            assert again.decision.source == ("l0" if text is texts[0] or text is texts[-1] else "l1")
+    texts = [t.replace("You are terse.", "You are careful.") for t in _conversation(3)]
+    with SidecarClient(proc.address, min_write_bytes=0) as c, SidecarClient(proc.address, zero_rpc=False) as rpc:
+        _records_here(c, ref)
+        local = c._local.get("qwen3") if c._local is not None else None
+        assert local is not None
+        before = dict(c.stats()["writes"])
+
+        def writes() -> dict[str, int]:
+            return _delta(before, c.stats()["writes"])
+
+        served = {t: c.tokenize("qwen3", text=t, add_special_tokens=False).token_ids for t in texts}
+        assert writes() == {"deferred": 3}
+        assert not any(local.reader.probe(l0_key(t)) for t in texts)  # left to their records
+        exact = "<|im_start|>user\nexact, please<|im_end|>\n"
+        c.tokenize("qwen3", text=exact, add_special_tokens=False, mode="exact")
+        assert writes() == {"deferred": 3, "stored": 1} and local.reader.probe(l0_key(exact, mode="exact"))
+        assert c.flush()
+        assert writes() == {"deferred": 3, "stored": 4}
+        for t in texts:
+            assert local.reader.probe(l0_key(t))
+            again = rpc.tokenize("qwen3", text=t, add_special_tokens=False)
+            assert again.decision.source == "l0" and again.token_ids == served[t]
+            assert served[t] == ref.encode(t, add_special_tokens=False).ids
 
 
 def test_async_client_reads_in_process_too(sidecar: tuple[SidecarProcess, int], qwen3_path: Path) -> None:
@@ -265,13 +284,19 @@ def test_another_tokenizer_file_is_refused_by_fingerprint(sidecar: tuple[Sidecar
 
 def test_a_segment_the_client_may_not_write_is_read_and_learned_through_the_sidecar(
         sidecar: tuple[SidecarProcess, int], tmp_path: Path, qwen3_path: Path) -> None:
-    """A client that may read the segment but not write it: reads in-process, learns via RPC.
+    """A client that may read the segment but not write it: reads in-process, learns via RPC,
+    and records over RPC (the sidecar stores the output; the client's next turn, read in its
+    own process, extends prompt + output).
 
     The segment is handed to another owner with mode 0644 and the client runs without the
     capabilities that let root ignore file modes (``setpriv``), so opening it for writing
     fails as it would for a container running as another user.
     """
     proc, _ = sidecar
+    ref = tokenizers.Tokenizer.from_file(str(qwen3_path / "tokenizer.json"))
+    output = "Fine,  thanks.\n\nDone."
+    gen = _generated(ref, output) + ref.encode("<|im_end|>", add_special_tokens=False).ids
+    follow = output + "<|im_end|>\n" + TURN.format(q="and?")
     if shutil.which("setpriv") is None:
         pytest.skip("setpriv (util-linux) is not installed")
     prefix = proc.cmd[proc.cmd.index("--shm-prefix") + 1]
@@ -284,9 +309,16 @@ def test_a_segment_the_client_may_not_write_is_read_and_learned_through_the_side
         from sidecar_client import SidecarClient
         texts = {_conversation(4)!r}
         with SidecarClient({proc.address!r}, min_write_bytes=0) as c:
-            served = [c.tokenize("qwen3", text=t, add_special_tokens=False).served_by for t in texts]
+            results = [c.tokenize("qwen3", text=t, add_special_tokens=False) for t in texts]
             c.flush(10)
-            print(json.dumps({{"served": served, "stats": c.stats()}}))
+            stats = c.stats()
+            rec = c.record_output("qwen3", prompt_text=texts[-1], prompt_token_ids=results[-1].token_ids,
+                                  output_text={output!r}, output_token_ids={gen!r})
+            nxt = c.tokenize("qwen3", text=texts[-1] + {follow!r},
+                             add_special_tokens=False)
+            print(json.dumps({{"served": [r.served_by for r in results], "stats": stats, "entries": rec.entries,
+                              "records": c.stats()["records"], "prompt": results[-1].token_ids,
+                              "next": [nxt.served_by, nxt.decision.source, nxt.token_ids]}}))
     """))
     cmd = ["setpriv", "--inh-caps=-all", "--bounding-set=-all", "--", sys.executable, str(script)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
@@ -295,6 +327,10 @@ def test_a_segment_the_client_may_not_write_is_read_and_learned_through_the_side
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["served"] == ["local"] * 4
     assert got["stats"]["writes"].get("learned") == 4 and "stored" not in got["stats"]["writes"]
+    # The record went to the sidecar (stored there, not in the client's process).
+    assert got["entries"] > 0 and "recorded" not in got["records"]
+    served_by, source, ids = got["next"]
+    assert (served_by, source) == ("local", "ar") and ids[:len(got["prompt"]) + len(gen)] == got["prompt"] + gen
     # The sidecar stored what the read-only client learned (the learn RPCs are fire-and-forget).
     with SidecarClient(proc.address, zero_rpc=False) as c:
         last = _conversation(4)[-1]
@@ -439,9 +475,9 @@ def test_the_plugin_opens_the_segment_during_its_handshake(
             out = await link.tokenize(text, add_special_tokens=False, cache_salt=None)
             assert isinstance(out, Served) and out.served_by == "local"
         assert link.stats.paths == {"python": 2, "native": 1}
-        # Why: neither Python-path read extended a text this process had read
+        # Why: neither Python-path read had a cached cut where the native path probes
         # (tokcache_vllm_native_declines).
-        assert link.stats.declines == {"no_base": 2}
+        assert link.stats.declines == {"no_window_hit": 2}
         assert link.client().local.stats.declines is link.stats.declines  # type: ignore[union-attr]
         await link.close()
 
@@ -605,29 +641,6 @@ def _opened(c: SidecarClient) -> LocalModel:
     return local
 
 
-def _opened_with_writer(c: SidecarClient) -> LocalModel:
-    """:func:`_opened`, then the background thread started by a first write and waiting for its next
-    look (a test that sets WRITER_TICK_S to a minute keeps it away from what follows)."""
-    local = _opened(c)
-    c.tokenize("qwen3", text="warm up: start the background thread")
-    assert c.flush(5)
-    time.sleep(0.5)
-    return local
-
-
-@contextlib.contextmanager
-def _no_thread_switches() -> Iterator[None]:
-    """A switch interval of seconds: another thread of this process (the write-behind's) gets the
-    GIL only where this one blocks or releases it, not between two of its statements, however
-    the process is scheduled."""
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(5.0)
-    try:
-        yield
-    finally:
-        sys.setswitchinterval(interval)
-
-
 def _agent_turns(turns: int, size: int) -> list[str]:
     """A conversation whose turns each append ~``size`` bytes (an answer and a tool result)."""
     text, out = "<|im_start|>system\nYou are an agent.<|im_end|>\n", []
@@ -639,166 +652,88 @@ def _agent_turns(turns: int, size: int) -> list[str]:
     return out
 
 
-def test_the_next_turn_stores_the_previous_turns_write_in_its_own_thread(
-        sidecar: tuple[SidecarProcess, int], qwen3_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Back to back, a conversation's first write (nothing was cached: never held, see HOLD_S)
-    is stored by the conversation's next request, in the caller's thread, before its lookup:
-    that lookup then finds it (read your writes) with no thread switch. The writes of the turns
-    after it are held, each superseded by the next turn's, the last stored by the flush. (The
-    background thread is kept away: it would look only once a minute.)"""
-    import threading
-
-    from sidecar_client import _local
-
-    proc, _ = sidecar
-    ref = tokenizers.Tokenizer.from_file(str(qwen3_path / "tokenizer.json"))
-    monkeypatch.setattr(_local, "WRITER_TICK_S", 60.0)
-    monkeypatch.setattr(_local, "HOLD_S", 60.0)
-    stored_by: list[str] = []
-    real_commit = _local.commit
-
-    def commit(*args: object, **kwargs: object) -> object:
-        stored_by.append(threading.current_thread().name)
-        return real_commit(*args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(_local, "commit", commit)
-    texts = _agent_turns(6, 900)
-    with SidecarClient(proc.address, min_write_bytes=0) as c:
-        _opened_with_writer(c)
-        stored_by.clear()
-        before = c.stats()["writes"]["stored"]
-        results = [c.tokenize("qwen3", text=t, add_special_tokens=False) for t in texts]
-        assert [r.token_ids for r in results] == [ref.encode(t, add_special_tokens=False).ids for t in texts]
-        # Every later turn found the first turn's entries: cached up to a keyed cut of its text.
-        for r in results[1:]:
-            assert r.decision.source == "l1" and r.decision.cached_chars >= len(texts[0]) - 2048
-        assert stored_by == [threading.main_thread().name]  # the first turn's, by the second
-        assert c.flush(5)
-        writes = c.stats()["writes"]
-        assert (writes["stored"] - before, writes["superseded"]) == (2, 4)  # + the last turn's
-
-
-def test_a_busy_writer_lock_holds_a_request_for_an_inline_lock_wait_at_most(
-        sidecar: tuple[SidecarProcess, int], qwen3_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A request that finds its conversation's previous write queued tries to store it first,
-    waiting INLINE_LOCK_S for the writer lock; while another holder keeps the lock (a process
-    waiting for a core, at 16 processes on 2 cores), it gives up and is served, and the write
-    stays queued. It counted a busy lock as stored and tried again, for as long as the lock
-    stayed busy. (The lock is held here by this process's main thread, which the semaphore
-    blocks like any other; a timer lets it go after 5 s, so a regression fails, never hangs.)"""
-    import threading
-
-    from sidecar_client import _local
-
-    proc, _ = sidecar
-    ref = tokenizers.Tokenizer.from_file(str(qwen3_path / "tokenizer.json"))
-    monkeypatch.setattr(_local, "WRITER_TICK_S", 60.0)  # the background thread keeps away
-    texts = _agent_turns(3, 900)
-    with SidecarClient(proc.address, min_write_bytes=0) as c:
-        local = _opened_with_writer(c)
-        store = local.writer._store
-        assert store is not None
-        first = c.tokenize("qwen3", text=texts[0], add_special_tokens=False)
-        assert not local.writer.idle  # its write waits for the next request (or a flush)
-        held = threading.Lock()  # taken by whoever releases the writer lock: the test or the timer
-        store._lock.acquire()
-
-        def release() -> None:
-            if held.acquire(blocking=False):
-                store._lock.release()
-
-        timer = threading.Timer(5.0, release)
-        timer.start()
-        try:
-            t0 = time.monotonic()
-            second = c.tokenize("qwen3", text=texts[1], add_special_tokens=False)
-            took = time.monotonic() - t0
-        finally:
-            timer.cancel()
-            release()
-        assert took < 1.0, took
-        assert not local.writer.idle  # still queued: stored once the lock is free
-        assert [first.token_ids, second.token_ids] == [ref.encode(t, add_special_tokens=False).ids
-                                                       for t in texts[:2]]
-        assert c.flush(5) and local.writer.idle
-        assert c.stats()["writes"].get("stored", 0) >= 2
-        third = c.tokenize("qwen3", text=texts[2], add_special_tokens=False)
-        assert third.token_ids == ref.encode(texts[2], add_special_tokens=False).ids
-        assert third.decision.cached_chars >= len(texts[1]) - 2048  # the stored writes serve it
-
-
-def test_closing_while_the_write_behind_waits_for_the_writer_lock_unmaps_once_it_is_done(
+def test_a_busy_writer_lock_costs_a_read_its_entries_never_its_time(
         sidecar: tuple[SidecarProcess, int], qwen3_path: Path) -> None:
-    """A client closed while its background thread waits for a writer lock held elsewhere (a
-    store's lock timeout outlasts close's own waits) keeps the segment mapped and its
-    semaphore open until the thread is done: unmapping under it faulted (SIGSEGV in sem_wait,
-    found by the test above). Once the lock is free the thread stores the write and the
-    segment is unmapped."""
-    import threading
-
-    proc, _ = sidecar
-    texts = _agent_turns(1, 900)
-    c = SidecarClient(proc.address, min_write_bytes=0)
-    try:
-        local = _opened_with_writer(c)
-        store = local.writer._store
-        assert store is not None
-        store._lock._timeout = 60.0  # the background thread's wait outlasts close()
-        held = threading.Lock()
-
-        def release() -> None:
-            if held.acquire(blocking=False):
-                store._lock.release()
-
-        store._lock.acquire()
-        timer = threading.Timer(30.0, release)  # a regression fails, never hangs
-        timer.start()
-        try:
-            c.tokenize("qwen3", text=texts[0], add_special_tokens=False)  # its write: for the thread
-            deadline = time.monotonic() + 10
-            while not any(i.state == 1 for i in local.writer._items) and time.monotonic() < deadline:
-                time.sleep(0.01)  # the thread takes it and waits for the lock
-            assert any(i.state == 1 for i in local.writer._items)
-            c.close()  # ~4 s: its flush and its join wait for the thread, which still waits
-            assert not local.reader._closed and store._mm is not None  # still mapped: the thread waits
-        finally:
-            timer.cancel()
-            release()
-        deadline = time.monotonic() + 10
-        while not local.reader._closed and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert local.reader._closed and store._mm is None  # unmapped by the thread as it ended
-        assert local.writer.idle and c.stats()["writes"].get("stored", 0) >= 1
-    finally:
-        c.close()
-
-
-def test_writes_no_later_turn_extends_do_not_pile_up_under_load(
-        sidecar: tuple[SidecarProcess, int], qwen3_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Back to back, a process never pauses and its background thread stores next to nothing; the
-    writes no later request of the process extends (here: every one, each request a new
-    conversation's first turn) are stored by the requests once more than QUEUE_SOFT are queued, so
-    the queue stays short (each request compares its text with every queued one) and none is
-    dropped. Before, they piled up until the queue was full. (The background thread is kept
-    away: it looks once a minute here.)"""
-    from sidecar_client import _local
+    """A read stores its entries under the segment's writer lock, waiting READ_LOCK_S for it at
+    most: while another holder keeps it (a process waiting for a core, on a busy node), the read
+    is served at once with the reference's ids and its entries are left unstored (``busy``);
+    the next read stores its own, which hold them. (The lock is held by this process's main
+    thread, which the semaphore blocks like any other; a timer lets it go after 5 s, so a
+    regression fails, never hangs.)"""
+    from sidecar_client._local import READ_LOCK_S
 
     proc, _ = sidecar
     ref = tokenizers.Tokenizer.from_file(str(qwen3_path / "tokenizer.json"))
-    monkeypatch.setattr(_local, "WRITER_TICK_S", 60.0)
-    first = _agent_turns(1, 600)[0]
-    texts = [f"<|im_start|>system\nAgent {k}.<|im_end|>\n" + first for k in range(3 * _local.QUEUE_SOFT)]
+    texts = _agent_turns(2, 900)
     with SidecarClient(proc.address, min_write_bytes=0) as c:
-        local = _opened_with_writer(c)
-        queued = []
-        for t in texts:
-            r = c.tokenize("qwen3", text=t, add_special_tokens=False)
-            assert r.token_ids == ref.encode(t, add_special_tokens=False).ids
-            queued.append(len(local.writer._items))
-        assert max(queued) <= _local.QUEUE_SOFT + 1, queued
-        assert c.flush(5)
-        writes = c.stats()["writes"]
-        assert writes["stored"] >= len(texts) and "dropped" not in writes, writes
+        local = _opened(c)
+        store = local._writable
+        assert store is not None
+        with _writer_lock_held(store):
+            t0 = time.monotonic()
+            first = c.tokenize("qwen3", text=texts[0], add_special_tokens=False)
+            took = time.monotonic() - t0
+        assert took < READ_LOCK_S + 0.5, took
+        assert first.token_ids == ref.encode(texts[0], add_special_tokens=False).ids
+        assert c.stats()["writes"].get("busy") == 1 and not local.reader.probe(l0_key(texts[0]))
+        second = c.tokenize("qwen3", text=texts[1], add_special_tokens=False)
+        assert second.token_ids == ref.encode(texts[1], add_special_tokens=False).ids
+        assert local.reader.probe(l0_key(texts[1]))
+        with SidecarClient(proc.address, zero_rpc=False) as rpc:  # the first turn's ids, by prefix
+            again = rpc.tokenize("qwen3", text=texts[0], add_special_tokens=False)
+            assert again.token_ids == first.token_ids and again.decision.cached_chars >= len(texts[0]) - 2048
+
+
+@pytest.mark.xfail(strict=True, reason="a record under a busy writer lock waits RECORD_LOCK_S for each of its puts "
+                                       "(the chain, its fallback, each segment start): seconds, not RECORD_LOCK_S")
+def test_a_record_whose_writer_lock_stays_busy_gives_up_within_record_lock_s(
+        sidecar: tuple[SidecarProcess, int], qwen3_path: Path) -> None:
+    """A record waits RECORD_LOCK_S for the writer lock (vLLM's response waits for the record):
+    while another holder keeps it longer, the record stores nothing and reports no entries,
+    failing no request, and returns within about RECORD_LOCK_S. Once the lock is free the same
+    record is stored, and the next turn extends prompt + output."""
+    from sidecar_client._local import RECORD_LOCK_S
+
+    proc, _ = sidecar
+    ref = tokenizers.Tokenizer.from_file(str(qwen3_path / "tokenizer.json"))
+    output = "<think>\nLet me see: one, two.\n</think>\n\nOne, two,  three.\n\nDone — 42!"
+    prompt, follow = _chat("count, with reasons", output, "more")
+    gen = _generated(ref, output) + ref.encode("<|im_end|>", add_special_tokens=False).ids
+    with SidecarClient(proc.address) as c:
+        _records_here(c, ref)
+        local = _opened(c)
+        r = c.tokenize("qwen3", text=prompt, add_special_tokens=False)
+        record = {"prompt_text": prompt, "prompt_token_ids": r.token_ids, "output_text": output,
+                  "output_token_ids": gen}
+        with _writer_lock_held(local._writable, timeout=15):
+            t0 = time.monotonic()
+            busy = c.record_output("qwen3", **record)
+            took = time.monotonic() - t0
+        assert (busy.entries, busy.recorded_tokens) == (0, 0)
+        stored = c.record_output("qwen3", **record)
+        assert stored.entries > 0 and stored.recorded_tokens == len(gen) - 1
+        nxt = c.tokenize("qwen3", text=follow, add_special_tokens=False)
+        assert nxt.decision.source == "ar" and nxt.token_ids[:len(r.token_ids) + len(gen)] == r.token_ids + gen
+    assert took < RECORD_LOCK_S + 0.5, took
+
+
+@contextlib.contextmanager
+def _writer_lock_held(store: Any, timeout: float = 5.0) -> Iterator[None]:
+    """``store``'s writer lock, taken by this thread until the block ends (or ``timeout``)."""
+    held = threading.Lock()  # taken by whoever releases the writer lock: the block or the timer
+
+    def release() -> None:
+        if held.acquire(blocking=False):
+            store._lock.release()
+
+    store._lock.acquire()
+    timer = threading.Timer(timeout, release)
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+        release()
 
 
 def test_a_short_uncached_tail_stores_nothing_and_costs_no_re_encoding(
@@ -834,15 +769,15 @@ def test_a_short_uncached_tail_stores_nothing_and_costs_no_re_encoding(
         assert any(b < a for a, b in zip(uncached, uncached[1:], strict=False)), uncached
 
 
-def test_a_first_read_stores_from_4_kb_later_ones_from_min_write_bytes(
+def test_a_first_read_stores_from_1_kb_later_ones_from_min_write_bytes(
         sidecar: tuple[SidecarProcess, int], qwen3_path: Path) -> None:
-    """MIN_FIRST_WRITE_BYTES: with the default min_write_bytes (16 KB), a conversation's first
-    read (nothing cached, >= 4 KB) is stored, so its next turns hit it (L1); their own short
+    """MIN_FIRST_WRITE_BYTES: with the default min_write_bytes (4 KB), a conversation's first
+    read (nothing cached, >= 1 KB) is stored, so its next turns hit it (L1); their own short
     tails are not stored until they reach min_write_bytes. Ids are the reference's throughout."""
     proc, _ = sidecar
     assert MIN_FIRST_WRITE_BYTES < MIN_WRITE_BYTES
     ref = tokenizers.Tokenizer.from_file(str(qwen3_path / "tokenizer.json"))
-    texts = _agent_turns(10, 4600)  # ~4.2 KB a turn
+    texts = _agent_turns(10, 1200)  # ~1.1 KB a turn
     assert len(texts[0].encode()) >= MIN_FIRST_WRITE_BYTES
     assert 2 * (len(texts[1].encode()) - len(texts[0].encode())) < MIN_WRITE_BYTES
     with SidecarClient(proc.address) as c:
@@ -852,212 +787,14 @@ def test_a_first_read_stores_from_4_kb_later_ones_from_min_write_bytes(
         for text in texts:
             before = c.stats()["writes"].get("stored", 0)
             r = c.tokenize("qwen3", text=text, add_special_tokens=False)
-            assert c.flush(5)
             assert r.token_ids == ref.encode(text, add_special_tokens=False).ids
             stored.append(c.stats()["writes"].get("stored", 0) - before)
             sources.append(r.decision.source)
     assert stored[0] == 1 and sources[0] == "miss", (stored, sources)
     assert sources[1:] == ["l1"] * (len(texts) - 1), sources
-    # Later reads store only once their uncached tail reaches min_write_bytes (16 KB here: a
-    # few turns of ~4.5 KB), not every turn.
+    # Later reads store only once their uncached tail reaches min_write_bytes (4 KB here: a
+    # few turns of ~1.1 KB), not every turn.
     assert 1 <= sum(stored[1:]) < len(texts) - 2, stored
-
-
-def test_heads_built_after_the_reply_serve_the_next_turn_and_are_the_callers(
-        sidecar: tuple[SidecarProcess, int], qwen3_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """tokcache.engine.heads: a turn's ids up to its last stable cut are copied after the reply
-    (here by flush, as the write-behind does between turns) and the next turn hands that
-    list, extended, to its caller; the caller may change it. Back to back, a request never
-    builds a head (the next turn copies its ids itself), and the ids are the same."""
-    import threading
-
-    from sidecar_client import _local
-    from tokcache.engine.heads import Heads
-
-    proc, _ = sidecar
-    ref = tokenizers.Tokenizer.from_file(str(qwen3_path / "tokenizer.json"))
-    monkeypatch.setattr(_local, "WRITER_TICK_S", 60.0)  # the background thread looks once a minute
-    built_by: list[str] = []
-    real_build = Heads.build
-
-    def build(self: Heads[Any, Any], ready: Any) -> None:
-        built_by.append(threading.current_thread().name)
-        real_build(self, ready)
-
-    monkeypatch.setattr(Heads, "build", build)
-    for between in (True, False):
-        texts = _agent_turns(8, 700 + between)  # two conversations
-        with SidecarClient(proc.address) as c:
-            local = _opened(c)
-            assert c.flush(5)
-            heads = local.lookup.heads
-            used = heads.used
-            built_by.clear()
-            for text in texts:
-                r = c.tokenize("qwen3", text=text, add_special_tokens=False)
-                assert r.served_by == "local"
-                assert r.token_ids == ref.encode(text, add_special_tokens=False).ids
-                r.token_ids[:] = [-1]  # the caller's own list
-                if between:
-                    assert c.flush(5)
-            if between:
-                assert heads.used - used >= len(texts) - 2, (heads.built, heads.used)
-            else:
-                assert threading.main_thread().name not in built_by, built_by
-            assert c.flush(5)
-
-
-def test_the_background_thread_builds_the_head_between_turns(
-        sidecar: tuple[SidecarProcess, int], qwen3_path: Path) -> None:
-    """Nobody flushes: once requests pause (HEADS_QUIET_S), the write-behind thread settles the
-    read and builds the head on its own, and the next turn uses it."""
-    import time
-
-    proc, _ = sidecar
-    ref = tokenizers.Tokenizer.from_file(str(qwen3_path / "tokenizer.json"))
-    texts = _agent_turns(4, 800)
-    with SidecarClient(proc.address) as c:
-        local = _opened(c)
-        heads = local.lookup.heads
-        used = heads.used
-        for text in texts:
-            r = c.tokenize("qwen3", text=text, add_special_tokens=False)
-            assert r.token_ids == ref.encode(text, add_special_tokens=False).ids
-            deadline = time.monotonic() + 5
-            # The model "generates": the thread settles the read (which offers its head), then builds the head.
-            while (local.settler.pending or heads.pending) and time.monotonic() < deadline:
-                time.sleep(0.01)
-            assert not local.settler.pending and not heads.pending
-        assert heads.used - used >= len(texts) - 1, (heads.built, heads.used)
-
-
-def test_the_background_thread_looks_rarely_while_requests_keep_coming(
-        sidecar: tuple[SidecarProcess, int], qwen3_path: Path) -> None:
-    """Back to back, every request settles its predecessor's bookkeeping itself; a look by the
-    write-behind thread would only cost the caller a GIL hand-off. So while requests keep coming
-    (one begins within HEADS_QUIET_S of the last) the thread looks twice as late each time (up
-    to BUSY_LOOK_S), not every HEADS_QUIET_S (~80 looks a second before: as often as the GIL
-    let it; 43 in CI when a pause was judged by heads offered, which not every request makes);
-    once they pause it still settles the last read and builds its head, and the ids are right
-    throughout."""
-    import time
-
-    proc, _ = sidecar
-    ref = tokenizers.Tokenizer.from_file(str(qwen3_path / "tokenizer.json"))
-
-    class CountingCondition:
-        def __init__(self, cond: threading.Condition) -> None:
-            self.cond, self.waits = cond, 0
-
-        def wait(self, timeout: float | None = None) -> bool:
-            self.waits += 1
-            return self.cond.wait(timeout)
-
-        def notify(self, n: int = 1) -> None:
-            self.cond.notify(n)
-
-        def notify_all(self) -> None:
-            self.cond.notify_all()
-
-    texts = [t for seed in range(6) for t in _agent_turns(12, 600 + seed)]
-    want = {t: ref.encode(t, add_special_tokens=False).ids for t in texts}
-    with SidecarClient(proc.address) as c:
-        local = _opened(c)
-        assert c.flush(5)
-        counting = CountingCondition(local.writer._work)
-        local.writer._work = counting  # type: ignore[assignment]
-        burst, n, t0 = 1.0, 0, time.monotonic()
-        while time.monotonic() - t0 < burst:
-            text = texts[n % len(texts)]
-            assert c.tokenize("qwen3", text=text, add_special_tokens=False).token_ids == want[text], n
-            n += 1
-        elapsed = time.monotonic() - t0
-        looks = counting.waits
-        assert n >= 100, n  # requests did keep coming
-        assert looks * 0.025 < elapsed, (looks, n, elapsed)  # ~16 looks in 1 s (~80 before)
-        deadline = time.monotonic() + 5
-        while (local.settler.pending or local.lookup.heads.pending) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert not local.settler.pending and not local.lookup.heads.pending
-
-
-def test_paced_requests_are_settled_in_the_pause_after_each_and_back_to_back_ones_wake_nothing(
-        sidecar: tuple[SidecarProcess, int], qwen3_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Requests a few tens of ms apart, nobody flushing: once the write-behind thread settled one
-    read in a pause, each request wakes it, and it settles that request's read in the pause after
-    it rather than leaving it to the next request (before, a thread not parked looked only at its
-    tick, and most reads were settled inline by the next request). Here the tick is a minute, so
-    only the wake can settle them. Back to back, a request that finds its predecessor unsettled
-    settles it and the requests after wake the thread no more."""
-    from sidecar_client import _local
-
-    proc, _ = sidecar
-    ref = tokenizers.Tokenizer.from_file(str(qwen3_path / "tokenizer.json"))
-    texts = _agent_turns(8, 700)
-    want = {t: ref.encode(t, add_special_tokens=False).ids for t in texts}
-
-    def settled_within(local: LocalModel, seconds: float) -> bool:
-        deadline = time.monotonic() + seconds
-        while local.settler.pending and time.monotonic() < deadline:
-            time.sleep(0.002)
-        return not local.settler.pending
-
-    with SidecarClient(proc.address) as c:
-        monkeypatch.setattr(_local, "WRITER_TICK_S", 0.05)
-        local = _opened_with_writer(c)
-        assert c.tokenize("qwen3", text=texts[0], add_special_tokens=False).token_ids == want[texts[0]]
-        assert settled_within(local, 5)  # by the thread's own look (its tick): a pause found
-        monkeypatch.setattr(_local, "WRITER_TICK_S", 60.0)
-        time.sleep(0.3)  # the thread's next wait is a minute long
-        for text in texts[1:5]:
-            assert c.tokenize("qwen3", text=text, add_special_tokens=False).token_ids == want[text]
-            assert settled_within(local, 5), "a paced request's read was left for the next request"
-        notified = []
-        work = local.writer._work
-        monkeypatch.setattr(work, "notify", lambda n=1: (notified.append(n), type(work).notify(work, n))[1])
-        # Back to back: the second request finds the first unsettled, however this process is
-        # scheduled (see _no_thread_switches).
-        with _no_thread_switches():
-            got = [c.tokenize("qwen3", text=text, add_special_tokens=False).token_ids for text in texts[5:]]
-        assert got == [want[t] for t in texts[5:]]
-        assert len(notified) <= 1, notified  # the first request's wake only
-        assert c.flush(5)
-
-
-def test_a_request_still_being_served_is_no_pause(sidecar: tuple[SidecarProcess, int], qwen3_path: Path) -> None:
-    """A process that waits for a core in the middle of a request (16 busy processes on 2 cores
-    wait tens of ms at a time) has not paused: the write-behind thread leaves the bookkeeping of
-    the read before it queued until the request ended (before, it took each such wait for a
-    pause and took the GIL from the request), then settles it on its own."""
-    proc, _ = sidecar
-    ref = tokenizers.Tokenizer.from_file(str(qwen3_path / "tokenizer.json"))
-    text = _agent_turns(2, 950)[-1]
-    want = ref.encode(text, add_special_tokens=False).ids
-    with SidecarClient(proc.address) as c:
-        local = _opened(c)
-        assert c.flush(5)
-        writer = local.writer
-        # From the read's end to the next request's start there is no pause, however this
-        # process is scheduled: with a switch interval of seconds the write-behind thread gets
-        # no GIL in between (this thread blocks on nothing there). Before, a stall of this
-        # thread longer than HEADS_QUIET_S (2 ms) on a busy CI machine was a pause, and the
-        # thread settled the read before the first assertion below.
-        with _no_thread_switches():
-            got = c.tokenize("qwen3", text=text, add_special_tokens=False).token_ids
-            pending = local.settler.pending  # settled by the next request, or by the thread at a pause
-            writer.note_request()  # the next request begins, and its process waits for a core
-        assert got == want
-        assert pending
-        stall = time.monotonic() + 0.3  # three times the longest the thread sleeps (WRITER_TICK_S)
-        while time.monotonic() < stall:
-            assert local.settler.pending
-            time.sleep(0.005)
-        writer.note_done()
-        deadline = time.monotonic() + 5
-        while local.settler.pending and time.monotonic() < deadline:
-            time.sleep(0.005)
-        assert not local.settler.pending  # the pause after it came: settled by the thread
-        assert c.flush(5)
 
 
 _READER = textwrap.dedent("""
@@ -1076,8 +813,8 @@ _READER = textwrap.dedent("""
 
 def _records_here(c: Any, ref: tokenizers.Tokenizer) -> Any:
     """Record one output through ``c`` (a sync client; an async one: returns its awaitable),
-    so its process keeps short prompts' writes for their records from then on (see
-    KEPT_FOR_RECORD: a process whose outputs are never recorded keeps none)."""
+    so its process leaves its kv-stable reads' entries to their records from then on (a
+    process whose outputs are never recorded stores its reads' entries itself)."""
     prompt = "<|im_start|>system\nwarm up<|im_end|>\n" + TURN.format(q="hi")
     output = "Hello."
     out_ids = _generated(ref, output)
@@ -1096,6 +833,11 @@ def _records_here(c: Any, ref: tokenizers.Tokenizer) -> Any:
         await record((await got).token_ids)
         assert await c.flush(10)
     return both()
+
+
+def _delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    """The counts that moved from ``before`` to ``after`` (a stats() section), by how much."""
+    return {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
 
 
 def _generated(ref: tokenizers.Tokenizer, text: str) -> list[int]:
@@ -1143,8 +885,9 @@ def test_a_turn_read_in_another_process_waits_for_a_record_marked_as_on_its_way(
             reader.stdin.close()
             assert reader.stdout.readline().strip() == "ready"
             time.sleep(0.5)  # the reader is reading the next turn meanwhile
-            writer.record_output("qwen3", prompt_text=prompt, prompt_token_ids=prompt_ids, output_text=output,
-                                 output_token_ids=out_ids, finish_reason="length")
+            recorded = writer.record_output("qwen3", prompt_text=prompt, prompt_token_ids=prompt_ids,
+                                            output_text=output, output_token_ids=out_ids, finish_reason="length")
+            assert recorded.entries > 0  # (none: the writer lock stayed busy for RECORD_LOCK_S)
             got = json.loads(reader.stdout.readline())
         finally:
             reader.wait(30)
@@ -1153,7 +896,8 @@ def test_a_turn_read_in_another_process_waits_for_a_record_marked_as_on_its_way(
     assert got["served_by"] == "local"
     generated_prefix = prompt_ids + out_ids
     if marked:
-        assert got["ids"][:len(generated_prefix)] == generated_prefix and got["source"] == "ar"
+        assert got["ids"][:len(generated_prefix)] == generated_prefix and got["source"] == "ar", (
+            got["source"], got["seconds"], got["stats"])
         assert got["seconds"] >= 0.4 and got["stats"]["pending"] == {"waited": 1}
     else:
         assert got["ids"][:len(generated_prefix)] != generated_prefix and got["source"] != "ar"
@@ -1255,15 +999,13 @@ def test_a_withdrawn_or_expired_mark_keeps_no_reader_waiting(sidecar: tuple[Side
         assert writer.stats()["pending"] == {"marked": 2, "withdrawn": 1}
 
 
-@pytest.mark.parametrize("wait_s", [0.3, 0.0], ids=["wait-ran-out", "no-wait"])
-def test_the_plugin_marks_a_record_its_response_could_not_wait_for_and_another_api_server_waits_for_it(
-        sidecar: tuple[SidecarProcess, int], qwen3_path: Path, wait_s: float) -> None:
+def test_the_plugin_records_in_its_process_and_another_api_server_extends_it_with_the_sidecar_stopped(
+        sidecar: tuple[SidecarProcess, int], qwen3_path: Path) -> None:
     """Two API server processes' plugin runtimes on one node (two runtimes here, each with its
-    own client and mapping). The sidecar hangs (SIGSTOP) while runtime A's response waits for its
-    record: after TOKCACHE_RECORD_WAIT_MS (or at once, when it is 0) the response goes, the record
-    marked as on its way. The next turn reaches runtime B, which waits (the sidecar resumes 0.6 s
-    later) and splices the generated ids rather than re-encoding the output; A withdraws the mark
-    once answered."""
+    own client and mapping). Runtime A records its response's output in its own process: with
+    the sidecar hung (SIGSTOP) the response waits for nothing (no wait counted, nothing marked
+    as pending), and the next turn, read by runtime B, splices the generated ids at once,
+    without the sidecar."""
     import asyncio
     import signal
 
@@ -1274,6 +1016,7 @@ def test_the_plugin_marks_a_record_its_response_could_not_wait_for_and_another_a
 
     proc, _ = sidecar
     assert proc.proc is not None
+    pid = proc.proc.pid
     tj = qwen3_path / "tokenizer.json"
     ref = tokenizers.Tokenizer.from_file(str(tj))
     output = "One,  two,   three.\n\nFour five six 789 — and 10, 11, 12!"
@@ -1281,7 +1024,7 @@ def test_the_plugin_marks_a_record_its_response_could_not_wait_for_and_another_a
     out_ids = _generated(ref, output)
 
     def runtime() -> PluginRuntime:
-        config = PluginConfig(address=proc.address, timeout_s=2.0, record_wait_s=wait_s)
+        config = PluginConfig(address=proc.address, timeout_s=2.0, record_wait_s=0.3)
         return PluginRuntime(config, fingerprint_of(tj), tokenizer_file=tj,
                              decode=lambda ids: ref.decode(ids, skip_special_tokens=False))
 
@@ -1297,30 +1040,25 @@ def test_the_plugin_marks_a_record_its_response_could_not_wait_for_and_another_a
         rec = a.start_request({"type": "token", "prompt": prompt, "prompt_token_ids": ids}, delta=False,
                               trace_headers=None)
         assert rec is not None
-        os.kill(proc.proc.pid, signal.SIGSTOP)
+        os.kill(pid, signal.SIGSTOP)
         try:
             waits = rec.feed([Out(0, output, out_ids, "length")])
             t0 = time.monotonic()
             await a.wait_records(waits)  # the response would go now
+            for _ in range(100):  # the record, on A's recorder task, in A's process
+                if a.stats.records["recorded"]:
+                    break
+                await asyncio.sleep(0.01)
             held = time.monotonic() - t0
-            if wait_s:
-                assert 0.25 < held < 1.0 and a.stats.response_wait_timeouts == 1
-            else:  # not held at all, nor counted as a wait
-                assert held < 0.2 and a.stats.response_wait_timeouts == 0
-            assert a.stats.pending["marked"] == 1
-            asyncio.get_running_loop().call_later(0.6, os.kill, proc.proc.pid, signal.SIGCONT)
             t1 = time.monotonic()
             got = await b.tokenize(follow, add_special_tokens=False, cache_salt=None)
             waited = time.monotonic() - t1
         finally:
-            os.kill(proc.proc.pid, signal.SIGCONT)
+            os.kill(pid, signal.SIGCONT)
+        assert a.stats.records["recorded"] == 1 and held < 0.25, held
+        assert a.stats.response_wait_timeouts == 0 and not any(a.stats.pending.values())
         assert got is not None and got[:len(ids) + len(out_ids)] == ids + out_ids
-        assert waited > 0.5 and b.stats.pending["waited"] == 1 and b.stats.tokenize["ar"] == 1
-        for _ in range(100):  # A's record was answered: its mark is withdrawn
-            if a.stats.pending["withdrawn"]:
-                break
-            await asyncio.sleep(0.05)
-        assert a.stats.pending["withdrawn"] == 1 and a.stats.records["recorded"] == 1
+        assert waited < 0.25 and b.stats.tokenize["ar"] == 1 and not any(b.stats.pending.values())
         await a.recorder.aclose()
         await a.link.close()
         await b.link.close()
@@ -1328,20 +1066,17 @@ def test_the_plugin_marks_a_record_its_response_could_not_wait_for_and_another_a
     asyncio.run(main())
 
 
-@pytest.mark.parametrize("api", ["sync", "async"])
-@pytest.mark.parametrize("batch", [False, True], ids=["record_output", "record_outputs"])
-def test_a_recorded_prompt_is_stored_by_its_reader_and_its_next_turn_takes_the_native_path(
+@pytest.mark.parametrize(("api", "batch"), [("sync", False), ("async", True)],
+                         ids=["sync-record_output", "async-record_outputs"])
+def test_a_recorded_prompt_is_stored_with_its_output_and_its_next_turn_takes_the_native_path(
         sidecar: tuple[SidecarProcess, int], qwen3_path: Path, monkeypatch: pytest.MonkeyPatch, batch: bool,
         api: str) -> None:
-    """A turn's write skipped for its size (min_write_bytes) is kept until its output is recorded:
-    the RecordOutput chains to the prompt's entries, so the reader stores them then, in the
-    recording thread (counted as ``for_record``), rather than the sidecar tokenizing the prompt
-    again; the reader then holds the chain its next turn hits, and that turn is served by the
-    native path (``extend``) with the recorded output's ids (a prefix AR hit), every turn
-    extending prompt + output exactly. The record's own chain is read into the memo, and copied
-    into a head, by the write-behind once the sidecar stored it (``records_held``), so the next
-    turn reads nothing from the segment but index slots and copies only its tail. The same with
-    the async client (vLLM's plugin records through it)."""
+    """In a process that records its outputs, each read leaves its entries to the record of its
+    output (``deferred``), which stores them with the output, in this process (``for_record``);
+    the record's chain is remembered here, so the next turn reads no record from the segment
+    (only index slots), is served by the native path (``extend``) with the recorded output's
+    ids (a prefix AR hit), and extends prompt + output exactly. The same with the async client
+    (vLLM's plugin records through it), one record at a time or as a batch."""
     import asyncio
     import inspect
 
@@ -1376,18 +1111,18 @@ def test_a_recorded_prompt_is_stored_by_its_reader_and_its_next_turn_takes_the_n
     async def done(value: Any) -> Any:
         return await value if inspect.isawaitable(value) else value
 
-    async def main() -> tuple[list[str], dict[str, int], int]:
+    async def main() -> tuple[list[str], dict[str, int], dict[str, int]]:
         c: Any = SidecarClient(proc.address) if api == "sync" else AsyncSidecarClient(proc.address)
         try:
             await done(_records_here(c, ref))
-            before = dict(c.stats()["writes"])  # (the warm-up's record counted apart)
+            before = {k: dict(v) for k, v in c.stats().items()}  # (the warm-up's record counted apart)
             text = "<|im_start|>system\nYou are terse.<|im_end|>\n" + TURN.format(q="count, slowly")
             prev: list[int] = []
             sources = []
             for k in range(6):
                 walks[0] = 0
                 r = await done(c.tokenize("qwen3", text=text, add_special_tokens=False))
-                if k >= 2:
+                if k >= 1:
                     assert walks[0] == 0, k  # every chain it needs is held: no record read in the request
                 assert r.served_by == "local"
                 assert r.token_ids[:len(prev)] == prev, k  # this turn extends the last prompt + its output
@@ -1401,49 +1136,38 @@ def test_a_recorded_prompt_is_stored_by_its_reader_and_its_next_turn_takes_the_n
                 else:
                     assert (await done(c.record_output("qwen3", **record))).recorded_tokens > 0
                 prev = r.token_ids + out_ids
-                # The gap before the next turn, in which the write-behind builds the head.
-                assert await done(c.flush(10))
-                heads = (c._local if api == "sync" else c.local).get("qwen3").lookup.heads
-                deadline = time.monotonic() + 10
-                while heads.pending and time.monotonic() < deadline:
-                    await asyncio.sleep(0.005)
                 text += output + "<|im_end|>\n" + TURN.format(q=f"and then {k}?")
-            paths = c._local if api == "sync" else c.local
-            local = paths.get("qwen3") if paths is not None else None
-            assert local is not None
-            writes = c.stats()["writes"]
-            return sources, {k: v - before.get(k, 0) for k, v in writes.items()}, local.lookup.heads.used
+            stats = c.stats()
+            return sources, _delta(before["writes"], stats["writes"]), _delta(before["records"], stats["records"])
         finally:
             await done(c.close())
 
-    sources, writes, heads_used = asyncio.run(main())
+    sources, writes, records = asyncio.run(main())
     assert sources[1:] == ["ar"] * 5, sources
-    # Every prompt was short (skipped), and stored for its record by this process.
-    assert writes.get("for_record") == 6 and writes.get("stored", 0) >= 6, writes
-    # Each record's chain was offered for the write-behind to read once it was stored.
-    assert writes.get("records_held") == 6, writes
-    assert heads_used >= 4  # the reply lists were built between turns
+    # Every prompt's entries were left to its record, which stored them with the output.
+    assert writes == {"deferred": 6, "for_record": 6}, writes
+    assert records == {"recorded": 6}, records
     assert sum(served_ar) >= 4, served_ar  # the native path served the turns after the first ones
 
 
-def test_a_kept_write_is_stored_for_its_own_text_only(sidecar: tuple[SidecarProcess, int], qwen3_path: Path) -> None:
-    """Kept writes are filed under their text's length and last characters, not the whole
+def test_a_served_prompt_is_taken_by_the_record_of_its_own_text_only(
+        sidecar: tuple[SidecarProcess, int], qwen3_path: Path) -> None:
+    """Served prompts are filed under their text's length and last characters, not the whole
     text (hashing it cost every request ~20 us at 57 KB): two prompts that share both replace
-    each other, and a record stores a kept write only for the very text it was made for. The
-    prompt whose write was replaced is stored by the sidecar instead; both next turns extend
-    prompt + output exactly."""
-    from sidecar_client._local import KEPT_KEY_CHARS
+    each other, and a record takes a served prompt only for the very text it was served for.
+    The record of the prompt that was replaced finds its ids by a lookup instead; both next
+    turns extend prompt + output exactly."""
+    from sidecar_client._local import SERVED_KEY_CHARS
 
     proc, _ = sidecar
     ref = tokenizers.Tokenizer.from_file(str(qwen3_path / "tokenizer.json"))
-    tail = TURN.format(q="what comes next? " * (KEPT_KEY_CHARS // 16))
+    tail = TURN.format(q="what comes next? " * (SERVED_KEY_CHARS // 16))
     a = "<|im_start|>system\nYou are terse.<|im_end|>\n" + tail
     b = "<|im_start|>system\nYou are brief.<|im_end|>\n" + tail  # same length, same last characters
-    assert len(a) == len(b) and a[-KEPT_KEY_CHARS:] == b[-KEPT_KEY_CHARS:] and a != b
+    assert len(a) == len(b) and a[-SERVED_KEY_CHARS:] == b[-SERVED_KEY_CHARS:] and a != b
     with SidecarClient(proc.address) as c:
         _records_here(c, ref)
         ids = {t: c.tokenize("qwen3", text=t, add_special_tokens=False).token_ids for t in (a, b)}
-        assert c.flush(10)
         for t in (a, b):
             assert ids[t] == ref.encode(t, add_special_tokens=False).ids
         before = c.stats()["writes"].get("for_record", 0)
@@ -1452,11 +1176,228 @@ def test_a_kept_write_is_stored_for_its_own_text_only(sidecar: tuple[SidecarProc
         for t in (a, b):
             assert c.record_output("qwen3", prompt_text=t, prompt_token_ids=ids[t], output_text=output,
                                    output_token_ids=out_ids).recorded_tokens > 0
-        # a's kept write was replaced by b's (one key): only b's was stored by this process
+        # a's served prompt was replaced by b's (one key): only b's record took its read's entries
         assert c.stats()["writes"].get("for_record", 0) - before == 1
-        assert c.flush(10)
         for t in (a, b):
             nxt = t + output + "<|im_end|>\n" + TURN.format(q="and then?")
             r = c.tokenize("qwen3", text=nxt, add_special_tokens=False)
             assert r.token_ids[:len(ids[t]) + len(out_ids)] == ids[t] + out_ids
             assert r.decision.source == "ar"
+
+
+def test_prompts_whose_records_never_come_are_stored_as_they_leave_the_bounded_table(
+        sidecar: tuple[SidecarProcess, int], qwen3_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A recording process keeps what each read served for the record of its output in a
+    bounded table (SERVED_MAX per model, 4 here). A prompt that leaves it with its entries
+    unstored (its record never came: an aborted request) is stored then, as the read's own
+    write would have been: memory stays bounded, nothing is lost, and the sidecar finds every
+    prompt whole with the ids this process served."""
+    from sidecar_client import _local
+
+    proc, _ = sidecar
+    ref = tokenizers.Tokenizer.from_file(str(qwen3_path / "tokenizer.json"))
+    monkeypatch.setattr(_local, "SERVED_MAX", 4)
+    texts = [f"<|im_start|>system\nAgent {k}.<|im_end|>\n" + TURN.format(q=f"task {k}: " + "step " * k)
+             for k in range(12)]
+    with SidecarClient(proc.address, min_write_bytes=0) as c, SidecarClient(proc.address, zero_rpc=False) as rpc:
+        _records_here(c, ref)  # (its prompt, stored with its record, is the oldest in the table)
+        local = c._local.get("qwen3") if c._local is not None else None
+        assert local is not None
+        before = c.stats()["writes"]
+        served = {}
+        for t in texts:
+            served[t] = c.tokenize("qwen3", text=t, add_special_tokens=False).token_ids
+            assert len(local._served) <= 4
+        writes = _delta(before, c.stats()["writes"])
+        assert writes == {"deferred": 12, "stored": 8}, writes
+        assert [local.reader.probe(l0_key(t)) for t in texts] == [True] * 8 + [False] * 4
+        assert c.flush()
+        for t in texts:
+            again = rpc.tokenize("qwen3", text=t, add_special_tokens=False)
+            assert again.decision.source == "l0" and again.token_ids == served[t]
+            assert served[t] == ref.encode(t, add_special_tokens=False).ids
+
+
+def test_poisoned_records_through_the_local_writer_are_refused_by_field_and_store_nothing(
+        sidecar: tuple[SidecarProcess, int], qwen3_path: Path) -> None:
+    """This process's writer verifies a record as RecordOutput does: output ids that do not
+    spell the output text or hold an id outside the vocabulary, a finish by a stop string,
+    prompt ids that are not the ones served for the prompt text (another id, one id short, an
+    id outside the vocabulary, the served list itself changed by the caller after tokenize)
+    are refused here (``code`` None: no RPC) with InvalidArgumentError naming the field. The
+    segment gets no record, and the next turn's ids are the canonical encoding: nothing
+    recorded applies. ``record_outputs`` lists each refusal with the same field."""
+    proc, _ = sidecar
+    ref = tokenizers.Tokenizer.from_file(str(qwen3_path / "tokenizer.json"))
+    output = "Sure:\n\n  one,  two, three."
+    im_end = ref.encode("<|im_end|>", add_special_tokens=False).ids
+    gen = _generated(ref, output) + im_end
+    outside = 200_000  # no Qwen3 id
+
+    def change(ids: list[int], at: int) -> None:
+        ids[at] = ids[at] + 1 if ids[at] + 1 < 150_000 else 13
+
+    cases: list[tuple[str, Callable[[dict[str, Any], list[int]], None], str]] = [
+        ("other_text", lambda rec, ids: rec.update(output_token_ids=ref.encode("Not that.").ids),
+         "output_token_ids"),
+        ("output_outside_vocab", lambda rec, ids: rec.update(output_token_ids=gen[:-1] + [outside]),
+         "output_token_ids"),
+        ("stop_string", lambda rec, ids: rec.update(stop_reason="STOP"), "stop_reason"),
+        ("prompt_changed", lambda rec, ids: rec.update(prompt_token_ids=ids[:3] + [ids[3] + 1] + ids[4:]),
+         "prompt_token_ids"),
+        ("prompt_cut_short", lambda rec, ids: rec.update(prompt_token_ids=ids[:-1]), "prompt_token_ids"),
+        ("prompt_outside_vocab", lambda rec, ids: rec.update(prompt_token_ids=[*ids, outside]), "prompt_token_ids"),
+        ("served_list_changed", lambda rec, ids: change(ids, len(ids) // 2), "prompt_token_ids"),
+    ]
+    with SidecarClient(proc.address) as c:
+        _records_here(c, ref)
+        local = c._local.get("qwen3") if c._local is not None else None
+        assert local is not None and local._writable is not None
+        refused = c.stats()["records"].get("refused", 0)
+        batch = []
+        for name, poison, field in cases:
+            prompt, follow = _chat(f"poison {name}", output, "more?")
+            r = c.tokenize("qwen3", text=prompt, add_special_tokens=False)
+            assert r.served_by == "local"
+            record: dict[str, Any] = {"prompt_text": prompt, "prompt_token_ids": r.token_ids, "output_text": output,
+                                      "output_token_ids": gen}
+            poison(record, r.token_ids)  # (the last case changes the list tokenize returned)
+            batch.append(dict(record))
+            puts = local._writable.stats().puts
+            with pytest.raises(InvalidArgumentError) as exc:
+                c.record_output("qwen3", **record)
+            assert (exc.value.field, exc.value.code) == (field, None), (name, str(exc.value))
+            assert local._writable.stats().puts == puts, name  # nothing stored
+            nxt = c.tokenize("qwen3", text=follow, add_special_tokens=False)
+            assert nxt.decision.source != "ar", name
+            assert nxt.token_ids == ref.encode(follow, add_special_tokens=False).ids, name
+        assert c.stats()["records"]["refused"] - refused == len(cases)
+        summary = c.record_outputs("qwen3", batch)
+        assert (summary.recorded, summary.refused) == (0, len(cases))
+        assert [reason.split(":")[0] for _, reason in summary.refusals] == [field for _, _, field in cases]
+
+
+def _records_since(store: Any, lsn: int) -> list[tuple[int, list[bytes]]]:
+    """(flags, keys) of each record of ``store``'s log from LSN ``lsn`` to its head."""
+    from tokcache.store._layout import ENTRY, ENTRY_SIZE, MAGIC_SIZE, PAD_MAGIC, RECORD, RECORD_MAGIC_OFF, RECORD_SIZE
+
+    log = store._log
+    out: list[tuple[int, list[bytes]]] = []
+    at, head = lsn, store.head()
+    while at < head:
+        pos = at % log.size
+        if log.size - pos < RECORD_SIZE:  # padded to the arena's end
+            at += log.size - pos
+            continue
+        magic, size = MAGIC_SIZE.unpack(log._read(log._off + pos + RECORD_MAGIC_OFF, MAGIC_SIZE.size))
+        if magic != PAD_MAGIC:
+            rec = log._read(log._off + pos, size)
+            fields = RECORD.unpack_from(rec)
+            out.append((fields[11], [ENTRY.unpack_from(rec, RECORD_SIZE + ENTRY_SIZE * e)[0]
+                                     for e in range(fields[9])]))
+        at += size
+    return out
+
+
+def test_a_record_stores_its_prompt_and_output_as_one_chain_another_process_extends(
+        sidecar: tuple[SidecarProcess, int], qwen3_path: Path) -> None:
+    """One chain: in a process that records, a turn's read stores nothing; the record of its
+    output appends ONE record holding the prompt's new entries and the output (keyed at the
+    prompt's cuts, its whole text, and prompt + output), besides the output's own segment
+    records (F_SEGMENT, keyed on the output's text): the prompt is written once. A read of
+    the next turn in another client process gets ids that extend prompt ids + output ids."""
+    from tokcache.store import F_SEGMENT
+    from tokcache.store.keys import MODE_KV_STABLE, output_key, segment_key
+
+    proc, _ = sidecar
+    ref = tokenizers.Tokenizer.from_file(str(qwen3_path / "tokenizer.json"))
+    output = "Here it is:\n\n    first, second,  third.\n\nDone."
+    question = "list the steps, " + "one by one, " * 60
+    prompt, follow = _chat(question, output, "thanks")
+    gen = _generated(ref, output) + ref.encode("<|im_end|>", add_special_tokens=False).ids
+    with SidecarClient(proc.address) as c:
+        _records_here(c, ref)
+        local = c._local.get("qwen3") if c._local is not None else None
+        assert local is not None and local._writable is not None
+        store = local._writable
+        head, puts = store.head(), store.stats().puts
+        r = c.tokenize("qwen3", text=prompt, add_special_tokens=False)
+        assert r.token_ids == ref.encode(prompt, add_special_tokens=False).ids
+        assert (store.head(), store.stats().puts) == (head, puts)  # the read stored nothing
+        result = c.record_output("qwen3", prompt_text=prompt, prompt_token_ids=r.token_ids, output_text=output,
+                                 output_token_ids=gen)
+        records = _records_since(store, head)
+        assert store.stats().puts - puts == len(records)
+        chain = [keys for flags, keys in records if not flags & F_SEGMENT]
+        assert len(chain) == 1, records
+        assert l0_key(prompt) in chain[0] and output_key(prompt, output) in chain[0]
+        assert len(chain[0]) >= 3  # and the prompt's cuts past what was stored (L1)
+        segments = [k for flags, keys in records if flags & F_SEGMENT for k in keys]
+        assert segment_key("", MODE_KV_STABLE, output.encode()) in segments
+        assert result.entries == sum(len(keys) for _, keys in records)
+        assert result.stop_token_dropped and result.recorded_tokens == len(gen) - 1
+    reader = subprocess.run([sys.executable, "-c", _READER, proc.address], input=follow, capture_output=True,
+                            text=True, timeout=120, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert reader.returncode == 0, reader.stderr
+    got = json.loads(reader.stdout.strip().splitlines()[-1])
+    assert got["served_by"] == "local" and got["source"] == "ar"
+    assert got["ids"][:len(r.token_ids) + len(gen)] == r.token_ids + gen
+
+
+_READS = textwrap.dedent("""
+    import json, sys
+    from sidecar_client import SidecarClient
+    reads = json.loads(sys.stdin.read())
+    with SidecarClient(sys.argv[1]) as client:
+        client.tokenize("qwen3", text="warm up: map the segment, load the encoder")
+        out = []
+        for text, salt in reads:
+            r = client.tokenize("qwen3", text=text, add_special_tokens=False, cache_salt=salt)
+            out.append({"ids": r.token_ids, "source": r.decision.source, "served_by": r.served_by})
+        print(json.dumps(out), flush=True)
+""")
+
+
+def test_a_local_record_and_record_output_give_the_next_turns_the_same_ids(
+        sidecar: tuple[SidecarProcess, int], qwen3_path: Path) -> None:
+    """The same conversation recorded twice, under two salts (two caches that share nothing):
+    by this client process's own writer, and by the sidecar (RecordOutput, from a client that
+    never maps the segment). Every turn's prompt ids are the same under both, each extending
+    the turn before's prompt + generated ids; the next turn's ids, read by another client
+    process in its own process and by the sidecar's Tokenize, are the same four times over."""
+    import uuid
+
+    proc, _ = sidecar
+    ref = tokenizers.Tokenizer.from_file(str(qwen3_path / "tokenizer.json"))
+    here, there = uuid.uuid4().hex, uuid.uuid4().hex
+    im_end = ref.encode("<|im_end|>", add_special_tokens=False).ids
+    outputs = ["Step one:\n\n    run `make`\n\n", "Result: 100 passed\n\n\n  ok", "完成了。\n\n🎉 Done."]
+    text = "<|im_start|>system\nYou are an agent.<|im_end|>\n" + TURN.format(q="build it")
+    prev: list[int] = []
+    with SidecarClient(proc.address) as local, SidecarClient(proc.address, zero_rpc=False) as rpc:
+        for k, output in enumerate(outputs):
+            mine = local.tokenize("qwen3", text=text, add_special_tokens=False, cache_salt=here)
+            theirs = rpc.tokenize("qwen3", text=text, add_special_tokens=False, cache_salt=there)
+            assert (mine.served_by, theirs.served_by) == ("local", "sidecar")
+            assert mine.token_ids == theirs.token_ids and mine.token_ids[:len(prev)] == prev, k
+            gen = _generated(ref, output) + im_end
+            for c, ids, salt in ((local, mine.token_ids, here), (rpc, theirs.token_ids, there)):
+                assert c.record_output("qwen3", prompt_text=text, prompt_token_ids=ids, output_text=output,
+                                       output_token_ids=gen, cache_salt=salt).recorded_tokens == len(gen) - 1
+            prev = mine.token_ids + gen
+            text += output + "<|im_end|>\n" + TURN.format(q=f"and then ({k})?")
+        assert local.stats()["records"] == {"recorded": len(outputs)}  # in this process: no RPC
+    reads = subprocess.run([sys.executable, "-c", _READS, proc.address], input=json.dumps([[text, here],
+                                                                                          [text, there]]),
+                           capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert reads.returncode == 0, reads.stderr
+    elsewhere = json.loads(reads.stdout.strip().splitlines()[-1])
+    with SidecarClient(proc.address, zero_rpc=False) as rpc:
+        by_sidecar = [rpc.tokenize("qwen3", text=text, add_special_tokens=False, cache_salt=salt)
+                      for salt in (here, there)]
+    assert [r["served_by"] for r in elsewhere] == ["local", "local"]
+    assert [r.served_by for r in by_sidecar] == ["sidecar", "sidecar"]
+    assert [r["source"] for r in elsewhere] + [r.decision.source for r in by_sidecar] == ["ar"] * 4
+    ids = [r["ids"] for r in elsewhere] + [r.token_ids for r in by_sidecar]
+    assert ids[0] == ids[1] == ids[2] == ids[3] and ids[0][:len(prev)] == prev

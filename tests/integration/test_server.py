@@ -81,14 +81,11 @@ def test_text_tokenize_and_decisions(client: SidecarClient, qwen3_path: Path, ll
         r2 = client.tokenize(model, text=t2, cache_salt=salt, add_special_tokens=False)
         assert r2.token_ids == ref.encode(t2, add_special_tokens=False).ids
         assert r2.decision.source == "l1" and r2.decision.cached_tokens > 0
-        # t2's write continues the conversation: held (HOLD_S) until the next turn supersedes it
-        # or it pauses; the same text read again meanwhile is served by prefix, with the same ids.
+        # A client that records no outputs stores each read's entries in the request: the same
+        # text read again (with the tokenizer's special tokens this time) is cached whole.
         r3 = client.tokenize(model, text=t2, cache_salt=salt, add_special_tokens=True)
         assert r3.token_ids == ref.encode(t2, add_special_tokens=True).ids
-        assert r3.decision.source == "l1"
-        assert client.flush(10)  # stored: now the whole text is cached
-        r4 = client.tokenize(model, text=t2, cache_salt=salt, add_special_tokens=True)
-        assert r4.token_ids == r3.token_ids and r4.decision.source == "l0"
+        assert r3.decision.source == "l0"
 
 
 def test_chat_tokenize_matches_transformers(client: SidecarClient, qwen3_path: Path, llama32_path: Path) -> None:

@@ -188,6 +188,34 @@ def test_a_turn_that_moves_to_another_node_extends_the_ids_with_a_tier(
     assert _value(b, 'tokcache_tier_records_total{model="qwen3",result="stored"}') >= 5
 
 
+def test_an_output_recorded_in_a_client_process_reaches_the_tier_through_the_sidecars_feed(
+        nodes_single: tuple[Node, Node], single: RedisServer, engine: ModelEngine) -> None:
+    """The default client records in its own process (vLLM's API servers do): no RecordOutput
+    reaches node A's sidecar, whose feed follows the segment's log and writes the output's
+    segment entry to the tier. Within a bounded wait, Redis holds the generated ids under the
+    output's segment key, and node B extends the conversation with them."""
+    a, b = nodes_single
+    r = redis.Redis.from_url(single.url)
+    conv = Conversation(engine)
+    written = _value(a, WRITES_OK)
+    with SidecarClient(a.address) as ca:
+        fp = ca.list_models()[0].fingerprint
+        text = conv.prompt(ca)
+        ids = conv.tokenize(ca, text)
+        gen = conv.generate(ca, text, ids)
+        assert ca.stats()["records"] == {"recorded": 1}  # stored by this process, not the sidecar
+    answer = conv.msgs[-2]["content"]
+    name = b"tokcache:ar:" + fp.encode() + b":" + segment_key(conv.salt, MODE_KV_STABLE, answer.encode()).hex().encode()
+    deadline = time.monotonic() + 10
+    while r.get(name) is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert r.get(name) == encode_value(fp, gen)
+    assert _value(a, WRITES_OK) >= written + 1
+    r.close()
+    with SidecarClient(b.address, zero_rpc=False) as cb:
+        assert _extends(conv.tokenize(cb, conv.prompt(cb)), ids, gen)
+
+
 def test_without_a_tier_the_moved_turn_does_not_extend(tmp_path: Path, qwen3_path: Path, engine: ModelEngine) -> None:
     for a, b in _pair(tmp_path, qwen3_path, None):
         assert _moves(a, b, engine, 3, zero_rpc=False) == [False] * 3

@@ -295,3 +295,60 @@ def test_cluster_node_killed_fails_open_and_recovers(three: RedisCluster) -> Non
         await tier.close()
 
     asyncio.run(main())
+
+
+# -- the feed: segment records, from whichever process, to the tier --------------------------
+
+_CHILD_PUTS = """
+import sys
+from tokcache.ids import pack_ids
+from tokcache.store import F_SEGMENT, Kind, Store
+prefix, fp = sys.argv[1], sys.argv[2]
+with Store.open(prefix=prefix, fingerprint=fp, size=1 << 20) as store:
+    for i in range(3):
+        assert store.put(None, 0, pack_ids([i, i + 7, i + 9]), [(bytes([i + 1]) * 16, 3)], Kind.AR, flags=F_SEGMENT)
+    assert store.put(None, 0, pack_ids([5, 6]), [(bytes([9]) * 16, 2)], Kind.AR)  # a prompt chain: no F_SEGMENT
+"""
+
+
+def test_the_feed_writes_the_segment_records_appended_after_it_started(node: RedisServer, shm_prefix: str) -> None:
+    """TierFeed follows each segment's log from where it stood at start: the F_SEGMENT records
+    another process appends (a client's writer) reach the tier with their ids within a bounded
+    wait; a record put before start, and records without F_SEGMENT (prompt chains), do not; a
+    pass with nothing new writes nothing, and stop() feeds what came last."""
+    from tokcache.sidecar.tier import TierFeed
+    from tokcache.store import F_SEGMENT, Kind, Store
+
+    store = Store.open(prefix=shm_prefix, fingerprint=FP, size=1 << 20)
+    early = b"\x0e" * 16
+    assert store.put(None, 0, pack_ids([1]), [(early, 1)], Kind.AR, flags=F_SEGMENT)
+    fed = [bytes([i + 1]) * 16 for i in range(3)]
+
+    async def main() -> None:
+        tier = ArTier(TierUrl.parse(node.url), timeout_s=0.5, ttl_s=120)
+        assert await tier.start()
+        feed = TierFeed(tier, lambda: [(FP, store)])
+        feed.start()
+        child = await asyncio.create_subprocess_exec(sys.executable, "-c", _CHILD_PUTS, shm_prefix, FP,
+                                                     env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+        assert await child.wait() == 0
+        deadline = time.monotonic() + 10
+        while len((got := await tier.fetch(FP, fed)).values) < 3 and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert {k: decode_value(v, FP) for k, v in got.values.items()} == {
+            k: [i, i + 7, i + 9] for i, k in enumerate(fed)}
+        assert (await tier.fetch(FP, [early, b"\x09" * 16])).result == "miss"
+        assert feed.feed() == 0  # caught up: nothing written twice
+        last = b"\x0f" * 16
+        assert store.put(None, 0, pack_ids([4, 2]), [(last, 2)], Kind.AR, flags=F_SEGMENT)
+        await feed.stop()
+        assert await tier.flush()
+        got = await tier.fetch(FP, [last])
+        assert {k: decode_value(v, FP) for k, v in got.values.items()} == {last: [4, 2]}
+        await tier.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        store.unlink()
+        store.close()

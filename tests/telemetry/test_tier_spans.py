@@ -1,15 +1,19 @@
 """The cluster tier on spans: two in-process servers ("nodes", each its own segment) and a real
-redis-server; RecordOutput on A says its write-through, Tokenize on B what the tier gave it."""
+redis-server. A's RecordOutput stores the output in A's segment and says nothing of the tier:
+A's tier feed, following the segment's log, writes it through; Tokenize on B says what the
+tier gave it."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
+import redis
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
@@ -19,7 +23,7 @@ from tests.redis_servers import RedisServer, server
 from tokcache.sidecar.engine.model import ModelEngine
 from tokcache.sidecar.service import TokenizerService
 from tokcache.sidecar.telemetry import Metrics, Tracing
-from tokcache.sidecar.tier import ArTier, TierUrl
+from tokcache.sidecar.tier import ArTier, TierFeed, TierUrl
 from tokcache.store import Store
 from tokcache.v1 import tokenizer_pb2_grpc as pb_grpc
 
@@ -61,12 +65,20 @@ def test_tier_attributes_on_record_and_tokenize_spans(qwen3_path: Path, tmp_path
             await srv.start()
             servers.append(srv)
         try:
+            eng_a = engines["a"]
+            feed = TierFeed(tiers["a"], lambda: [(eng_a.fingerprint, eng_a.store)])
+            feed.start()
             async with AsyncSidecarClient(addresses["a"], zero_rpc=False) as a, \
                     AsyncSidecarClient(addresses["b"], zero_rpc=False) as b:
                 r = await a.tokenize("qwen3", text=text, add_special_tokens=False, cache_salt=salt)
                 await a.record_output("qwen3", prompt_text=text, prompt_token_ids=r.token_ids, output_text=answer,
                                       output_token_ids=gen, cache_salt=salt)
-                assert await tiers["a"].flush()
+                # Written through by the feed within FOLLOW_S, asynchronously: wait for it, bounded.
+                deadline = time.monotonic() + 10
+                while not db.keys(f"tokcache:ar:{eng_a.fingerprint}:*") and time.monotonic() < deadline:
+                    await asyncio.sleep(0.02)
+                assert db.keys(f"tokcache:ar:{eng_a.fingerprint}:*"), "the feed never wrote the record through"
+                await feed.stop()
                 got = await b.tokenize("qwen3", text=nxt, add_special_tokens=False, cache_salt=salt)
                 assert got.decision.source == "ar"
                 return r.token_ids + gen, got.token_ids
@@ -76,10 +88,12 @@ def test_tier_attributes_on_record_and_tokenize_spans(qwen3_path: Path, tmp_path
             for tier in tiers.values():
                 await tier.close()
 
+    db = redis.Redis.from_url(redis_node.url)
     try:
         before, after = asyncio.run(main())
         assert after[:len(before)] == before
     finally:
+        db.close()
         for eng in engines.values():
             assert eng.store is not None
             eng.store.unlink()
@@ -87,7 +101,7 @@ def test_tier_attributes_on_record_and_tokenize_spans(qwen3_path: Path, tmp_path
     a_spans = {s.name.rsplit("/", 1)[1]: s for s in exporters["a"].get_finished_spans()
                if s.name.startswith("tokcache.v1.Tokenizer/")}
     attrs = a_spans["RecordOutput"].attributes or {}
-    assert attrs["tokcache.tier_write"] == "queued"
+    assert "tokcache.tier_write" not in attrs  # the feed writes it through, not the handler
     # A's first Tokenize had nothing recorded anywhere: it asked, and missed.
     first = a_spans["Tokenize"].attributes or {}
     assert first["tokcache.tier_result"] == "miss" and first["tokcache.tier_records"] == 0

@@ -4,10 +4,11 @@ against the Python it replaces (``lookup.py`` with ``_native`` off: the referenc
 Two client lookups read the same segment, one with the native path and one without, each
 with its own memo: along long chats (exact and kv-stable, with and without special tokens,
 a salt, rewritten turns) they return the same ids, the same decision and the same pending
-write, and the native path does serve most turns (else this would test nothing). The native
-side also builds the next turn's head after each reply (as a client's write-behind does:
-``tokcache.engine.heads``) and hands its caller a list the caller then mutates; the
-reference builds none.
+write, and the native path does serve most turns (else this would test nothing). Some turns
+are read by a third lookup (another process: its own memo and scans), so the native side
+also serves texts that extend none it read (hashed from the namespace's root) and chains
+another process stored (read from the segment, not held). The native side hands its caller
+a list the caller then mutates.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from tokcache.engine.tokenizer import Manifest, from_manifest
 from tokcache.ids import pack_ids
 from tokcache.native import pure_python
 from tokcache.sidecar.engine.model import ModelEngine
-from tokcache.store import Kind, Store, StoreReader
+from tokcache.store import Store, StoreReader
 from tokcache.store.keys import namespace, output_key, pending_key
 
 # The native path against the reference: nothing to compare where TOKCACHE_PURE_PYTHON=1 turns it off.
@@ -56,10 +57,13 @@ def _para(rng: random.Random, n: int) -> str:
 
 
 class _Counting:
-    """``_native`` with ``extend``'s served calls counted (``with_ar``: those that found a live AR key)."""
+    """``_native`` with ``extend``'s served calls counted (``with_ar``: those that found a live AR
+    key; ``no_base``: texts that extend none this process read; ``not_held``: hits whose chain
+    this process's memo does not hold)."""
 
     def __init__(self, native: Any) -> None:
         self._native, self.served, self.calls, self.with_ar = native, 0, 0, 0
+        self.no_base = self.not_held = 0
 
     def extend(self, *args: Any) -> Any:
         got = self._native.extend(*args)
@@ -67,6 +71,8 @@ class _Counting:
         served = isinstance(got, tuple)  # (else why it declined: an int)
         self.served += served
         self.with_ar += served and got[-1] >= 0
+        self.no_base += served and got[0] is None
+        self.not_held += served and got[14] is None
         return got
 
     def __getattr__(self, name: str) -> Any:
@@ -89,7 +95,13 @@ def model(engine: ModelEngine) -> Iterator[ReadModel]:
 
 @pytest.fixture(scope="module")
 def own_model(engine: ModelEngine) -> Iterator[ReadModel]:
-    """Another, with a scan memo of its own (a head continues the scan its process filed)."""
+    """Another, with a scan memo of its own (the texts its process read: what the next extends)."""
+    yield from _read_model(engine)
+
+
+@pytest.fixture(scope="module")
+def other_model(engine: ModelEngine) -> Iterator[ReadModel]:
+    """A third: another process's, which reads some turns of the conversations the others read."""
     yield from _read_model(engine)
 
 
@@ -124,19 +136,27 @@ def _segment(engine: ModelEngine) -> Iterator[tuple[Store, StoreReader]]:
         store.close()
 
 
+# Turns read by another process (``other``): the conversation starts there, then comes back
+# every few turns. The first turn read here extends nothing this process read; each turn after
+# another process's hits the chain that process stored, which this one does not hold.
+_OTHER_TURNS = (0, 1, 2, 7, 12, 16, 20)
+
+
 @pytest.mark.parametrize("defer", [False, True], ids=["settled", "deferred"])
 @pytest.mark.parametrize("mode,add,salt,record", [("exact", False, "", False), ("exact", True, "t", False),
                                                   ("kv-stable", False, "", False), ("kv-stable", True, "tenant", False),
                                                   ("kv-stable", False, "", True), ("kv-stable", False, "tenant", True)],
                          ids=["exact", "exact-add-salt", "kv", "kv-add-salt", "kv-recorded", "kv-recorded-salt"])
 def test_native_and_python_paths_agree_along_long_chats(engine: ModelEngine, model: ReadModel, own_model: ReadModel,
-                                                        mode: str, add: bool, salt: str, record: bool, defer: bool,
+                                                        other_model: ReadModel, mode: str, add: bool, salt: str,
+                                                        record: bool, defer: bool,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """``deferred``: the native side returns its bookkeeping (Result.later), which is settled
-    after the caller got, and mutated, its list (as a client's write-behind does); it must make
-    the same write and head as settling at once. ``recorded``: each answer is recorded (the
-    sidecar's RecordOutput, into the same segment) before the next turn, as vLLM's outputs
-    are, so the native path makes AR keys and the prefix AR hit decides."""
+    after the caller got, and mutated, its list; it must make the same write as settling at
+    once. ``recorded``: each answer is recorded (the sidecar's RecordOutput, into the same
+    segment) before the next turn, as vLLM's outputs are, so the native path makes AR keys and
+    the prefix AR hit decides. Turns in _OTHER_TURNS are read by another process's lookup
+    (native too, checked against the reference the same way), which stores their entries."""
     counting = _Counting(lookup_mod._native)
     monkeypatch.setattr(lookup_mod, "_native", counting)
     with _segment(engine) as (store, reader):
@@ -144,35 +164,44 @@ def test_native_and_python_paths_agree_along_long_chats(engine: ModelEngine, mod
         ref_memo: ChainMemo[Chunks] = ChainMemo(LISTS)
         fast: Lookup[Chunks, list[int]] = Lookup(own_model, reader, fast_memo, defer=defer)
         ref: Lookup[Chunks, list[int]] = Lookup(model, reader, ref_memo)
-        rng = random.Random(f"{engine.name}-{mode}-{add}")
+        other: Lookup[Chunks, list[int]] = Lookup(other_model, reader, ChainMemo(LISTS))
+        rng = random.Random(f"{engine.name}-{mode}-{add}-{salt}-{record}-{defer}")
         msgs: list[dict[str, Any]] = [{"role": "system", "content": _para(rng, 200)}]
         turns = 24
         eos = {"qwen3": "<|im_end|>", "llama32": "<|eot_id|>"}[engine.name]
         eos_id = engine.reference.encode(eos)
         assert len(eos_id) == 1
-        recorded = ar_turns = spliced_turns = flat_scans = 0
+        recorded = ar_turns = spliced_turns = flat_scans = here = served_here = 0
+        no_base = not_held = 0
         for turn in range(turns):
             msgs.append({"role": "user", "content": _para(rng, rng.randint(20, 400))})
             text = engine.render(msgs, add_generation_prompt=True)
-            got = fast.tokenize(text, add_special_tokens=add, salt=salt, mode=mode)
+            elsewhere = turn in _OTHER_TURNS
+            reader_model = other_model if elsewhere else own_model
+            before = (counting.served, counting.no_base, counting.not_held)
+            if elsewhere:
+                got = other.tokenize(text, add_special_tokens=add, salt=salt, mode=mode)
+            else:
+                here += 1
+                got = fast.tokenize(text, add_special_tokens=add, salt=salt, mode=mode)
+                served_here += counting.served - before[0]
+                no_base += counting.no_base - before[1]
+                not_held += counting.not_held - before[2]
             monkeypatch.setattr(lookup_mod, "_native", None)
             want = ref.tokenize(text, add_special_tokens=add, salt=salt, mode=mode)
             monkeypatch.setattr(lookup_mod, "_native", counting)
             assert got.ids == want.ids, (turn, got.decision, want.decision)
             assert want.later is None
-            if defer:
-                assert got.write is None and got.ready is None and got.later is not None, turn
+            if defer and not elsewhere:
+                assert got.write is None and got.later is not None, turn
                 served = list(got.ids)
                 got.ids.append(-1)  # the caller's list, changed before the bookkeeping ran
                 got.ids[0] = -2
-                got.write, got.ready = fast.settle(got.later)
+                got.write = fast.settle(got.later)
                 got.ids = served
-            if got.ready is not None:  # after the reply, as the write-behind does
-                fast.heads.build(got.ready)
-            assert want.ready is None or want.ready.tokens <= len(want.ids)
             # The text filed for the next turn: a native read keeps its spans flat (Spans), equal
             # to the Python path's list of the same text.
-            got_scan, want_scan = own_model.scanner.bases()[0][0], model.scanner.bases()[0][0]
+            got_scan, want_scan = reader_model.scanner.bases()[0][0], model.scanner.bases()[0][0]
             assert got_scan.data == want_scan.data == text.encode()
             assert got_scan.spans == want_scan.spans and list(got_scan.spans) == list(want_scan.spans), turn
             assert got_scan.stable == want_scan.stable and got_scan.tail == want_scan.tail, turn
@@ -190,8 +219,9 @@ def test_native_and_python_paths_agree_along_long_chats(engine: ModelEngine, mod
                 assert got.write.parent == want.write.parent and got.write.parent_tokens == want.write.parent_tokens
                 assert list(got.write.ids) == list(want.write.ids), turn
                 assert got.write.entries() == want.write.entries(), turn
-                # One side stores (as a client does); both memos learn the record.
-                ref_ = commit(store, fast_memo, got.write)
+                # One side stores (as a client does); the reference's memo learns the record, the
+                # reading process's memo holds it (commit).
+                ref_ = commit(store, other.memo if elsewhere else fast_memo, got.write)
                 if ref_ is not None:
                     ref_memo.put(ref_, ref_memo.fmt.compact(want.write.full),
                                  {e[0]: e[1] + ref_.n - len(want.write.ids) for e in want.write.entries()})
@@ -213,17 +243,16 @@ def test_native_and_python_paths_agree_along_long_chats(engine: ModelEngine, mod
             if turn % 7 == 6:  # a rewritten history: the next text extends none of the latest
                 msgs[1]["content"] += " (edited)"
             msgs.append({"role": "assistant", "content": answer})
-        # The native path served the steady state, not a turn or two; so did heads, where
-        # the caller's list has no prefix token before them.
-        assert counting.served >= turns // 2, (counting.served, counting.calls)
+        # The native path served the steady state here, not a turn or two: the first turn read
+        # here (a text this process never read) and turns after another process's (chains it
+        # stored) among them.
+        assert served_here >= here // 2, (served_here, here, counting.calls)
+        assert no_base >= 1 and not_held >= 3, (no_base, not_held)
         assert flat_scans == counting.served, (flat_scans, counting.served)  # every native read's scan
         if record:  # recorded outputs decided most turns, on both sides
             assert recorded >= turns - 2 and ar_turns >= turns // 2, (recorded, ar_turns)
             assert counting.with_ar >= turns // 3, (counting.with_ar, counting.served)
             assert spliced_turns >= 2, spliced_turns  # rewritten histories found earlier outputs (segment AR)
-        elif not (add and model.affixes.prefix):
-            assert fast.heads.used >= turns // 3, (fast.heads.built, fast.heads.used)
-        assert ref.heads.used == 0
 
 
 @pytest.mark.parametrize("mode", ["exact", "kv-stable"])
@@ -258,9 +287,7 @@ def test_many_conversations_in_flight_take_the_native_path(engine: ModelEngine, 
                 if mode == "exact":
                     assert got.ids == engine.reference.encode(text), (turn, c)
                 assert got.later is not None
-                write, ready = fast.settle(got.later)
-                if ready is not None:
-                    fast.heads.build(ready)
+                write = fast.settle(got.later)
                 if write is not None:
                     commit(store, fast_memo, write)
                 msgs.append({"role": "assistant", "content": _para(rng, rng.randint(5, 60))})
@@ -310,7 +337,7 @@ def test_a_live_mark_keeps_kv_stable_reads_on_the_native_path_which_finds_its_ow
             assert got.decision.native == native and (got.decision.declined == "") == native
             declined.append(got.decision.declined)
             assert got.later is not None
-            write, _ready = fast.settle(got.later)
+            write = fast.settle(got.later)
             if write is not None:
                 commit(store, fast_memo, write)
             # (stripped: Llama 3.2's template trims it; the mark is put on the output as rendered)
@@ -324,36 +351,47 @@ def test_a_live_mark_keeps_kv_stable_reads_on_the_native_path_which_finds_its_ow
         # The first read since: the Python path (the texts before it made no AR keys, which the
         # native call takes from its base's state), which makes them; then the native path.
         assert [turn(), turn()] == [(False, False), (True, False)]
-        assert declined[0] == "no_base" and declined[3] == "ar_keys", declined
+        assert declined[0] == "no_window_hit" and declined[3] == "ar_keys", declined
         assert turn(mark_own=True) == (True, True)
         assert store.mark(own[-1], 1)  # withdrawn: its record was answered
         assert turn() == (True, False)
 
 
-def test_a_read_the_native_path_declines_says_why(engine: ModelEngine, own_model: ReadModel) -> None:
+def test_a_read_the_native_path_declines_says_why(engine: ModelEngine, own_model: ReadModel,
+                                                 other_model: ReadModel) -> None:
     """``Decision.declined`` names why the native path left a read to the Python path (the
-    clients count it by reason): a text that extends none read here, a text cached whole (L0,
-    the Python path's to read); "" when the native path served it."""
+    clients count it by reason): nothing cached in the probe window (a first turn), a text
+    cached whole (L0, the Python path's to read); "" when the native path served it: also a
+    text this process never read whose prefix another process stored (hashed from the
+    namespace's root, its chain read from the segment)."""
     with _segment(engine) as (store, reader):
         memo: ChainMemo[Chunks] = ChainMemo(LISTS)
         lookup: Lookup[Chunks, list[int]] = Lookup(own_model, reader, memo)
+        elsewhere: Lookup[Chunks, list[int]] = Lookup(other_model, reader, ChainMemo(LISTS))
         rng = random.Random(f"declined-{engine.name}")
         first = engine.render([{"role": "system", "content": _para(rng, 150)},
                                {"role": "user", "content": _para(rng, 80)}], add_generation_prompt=True)
         second = first + _para(rng, 40) + _para(rng, 200)
 
-        def read(text: str, mode: str = "exact") -> Decision:
-            r = lookup.tokenize(text, add_special_tokens=False, mode=mode)
+        def read(text: str, mode: str = "exact", lk: Lookup[Chunks, list[int]] = lookup) -> Decision:
+            r = lk.tokenize(text, add_special_tokens=False, mode=mode)
+            assert r.ids == engine.reference.encode(text)
             if r.write is not None:
-                commit(store, memo, r.write)
+                commit(store, lk.memo, r.write)
             return r.decision
 
         d = read(first)
-        assert (d.native, d.declined) == (False, "no_base")
+        assert (d.source, d.native, d.declined) == ("miss", False, "no_window_hit")
         d = read(second)
         assert (d.native, d.declined) == (True, "")
         d = read(second)
         assert (d.source, d.native, d.declined) == ("l0", False, "l0")
+        # Another process's conversation: stored there, its next turn read here first.
+        theirs = engine.render([{"role": "system", "content": _para(rng, 150)},
+                                {"role": "user", "content": _para(rng, 80)}], add_generation_prompt=True)
+        read(theirs, lk=elsewhere)
+        d = read(theirs + _para(rng, 40) + _para(rng, 200))
+        assert (d.source, d.native, d.declined) == ("l1", True, ""), d
         with pytest.raises(InvalidRequest):
             read(second + "more", mode="no-such-mode")  # the Python path still refuses it
 
@@ -484,8 +522,9 @@ def test_the_native_path_marks_the_chain_it_serves_as_used(engine: ModelEngine, 
         newest = next(reversed(entries))
         chats[0] += [{"role": "assistant", "content": _para(rng, 30)}, {"role": "user", "content": _para(rng, 40)}]
         text = engine.render(chats[0], add_generation_prompt=True)
+        served = counting.served
         got = lk.tokenize(text, add_special_tokens=False, mode="exact")
-        assert counting.served == 1, counting.calls  # the first chat's next turn, served natively
+        assert counting.served == served + 1, counting.calls  # the first chat's next turn, served natively
         assert got.ids == engine.reference.encode(text)
         assert got.write is not None and got.write.parent is not None
         slot = reader.slot(got.write.parent)
@@ -581,11 +620,12 @@ def test_what_a_reader_keeps_costs_the_garbage_collector_nothing(engine: ModelEn
         untrack((1, 2))  # type: ignore[arg-type]
 
 
-def test_a_tail_handed_out_raw_is_kept_with_interned_ints(engine: ModelEngine, own_model: ReadModel) -> None:
-    """A turn's new ids are appended to the caller's head as the encoder made them, and made this
-    process's (IdFormat.own: one int object per id value) in settle, where they join the memo.
-    With an encoder that makes new ints every call (``tokenizers``; fastokens hands out the same
-    objects each time), the kept encoding still holds only the interned ones."""
+def test_a_reused_encoding_is_kept_with_interned_ints(engine: ModelEngine, own_model: ReadModel) -> None:
+    """A turn's new ids join the memo and the next turn's reused encoding as this process's ints
+    (IdFormat.own: one int object per id value), whatever the encoder hands out. With an encoder
+    that makes new ints every call (``tokenizers``; fastokens hands out the same objects each
+    time), the kept encoding still holds only the interned ones, turn after turn of a
+    conversation whose tail reuses the previous turn's encoding."""
     import dataclasses
 
     from tokcache.engine.encoder import TokenizersEncoder
@@ -597,23 +637,21 @@ def test_a_tail_handed_out_raw_is_kept_with_interned_ints(engine: ModelEngine, o
         table = ids_mod._interned()
         rng = random.Random(f"{engine.name}-raw")
         msgs: list[dict[str, Any]] = [{"role": "system", "content": _para(rng, 200)}]
-        raw = 0
+        reused = 0
         for turn in range(16):
             msgs.append({"role": "user", "content": _para(rng, rng.randint(20, 300))})
             text = engine.render(msgs, add_generation_prompt=True)
             got = lk.tokenize(text, add_special_tokens=False, mode="exact")
             assert got.ids == engine.reference.encode(text), turn
             assert got.later is not None
-            raw += got.later.tail.raw
-            write, ready = lk.settle(got.later)
+            reused += got.later.tail.prior is not None
+            write = lk.settle(got.later)
             enc = got.later.scan.encoded
             assert enc is not None and all(x is table[x] for x in enc.ids), turn
             if write is not None:
                 commit(store, memo, write)
-            if ready is not None:
-                lk.heads.build(ready)
             msgs.append({"role": "assistant", "content": _para(rng, rng.randint(5, 80))})
-        assert raw >= 4, raw  # the head path ran (else this tested nothing)
+        assert reused >= 4, reused  # the reuse path ran (else this tested nothing)
 
 
 def test_native_cut_tokens_equals_the_python_walk(engine: ModelEngine, model: ReadModel,
@@ -696,34 +734,6 @@ def test_spans_is_a_read_only_sequence_of_the_tuples_it_holds() -> None:
         spans[0] = (1, 2)  # type: ignore[index]
 
 
-@pytest.mark.parametrize("mode", ["exact", "kv-stable"])
-def test_no_head_where_a_recorded_output_may_apply(engine: ModelEngine, model: ReadModel, mode: str) -> None:
-    """Once the segment has held an AR record, kv-stable requests neither leave nor take
-    heads (their ids may hold recorded outputs, not the text's plain encoding); exact ones do."""
-    with _segment(engine) as (store, reader):
-        assert store.put(None, 0, pack_ids([1, 2]), [(b"\x01" * 16, 2)], Kind.AR) is not None
-        assert reader.holds_ar()
-        lk: Lookup[Chunks, list[int]] = Lookup(model, reader, ChainMemo(LISTS))
-        rng = random.Random(f"{engine.name}-ar-{mode}")
-        msgs: list[dict[str, Any]] = [{"role": "system", "content": _para(rng, 200)}]
-        readies = 0
-        for turn in range(8):
-            msgs.append({"role": "user", "content": _para(rng, rng.randint(200, 400))})
-            text = engine.render(msgs, add_generation_prompt=True)
-            got = lk.tokenize(text, add_special_tokens=False, mode=mode)
-            assert got.ids == engine.reference.encode(text), turn
-            if got.ready is not None:
-                readies += 1
-                lk.heads.build(got.ready)
-            if got.write is not None:
-                commit(store, lk.memo, got.write)
-            msgs.append({"role": "assistant", "content": _para(rng, 40)})
-        if mode == "exact":
-            assert readies >= 4 and lk.heads.used >= 3, (readies, lk.heads.used)
-        else:
-            assert readies == 0 and lk.heads.used == 0
-
-
 def test_native_join_equals_the_python_result(monkeypatch: pytest.MonkeyPatch) -> None:
     """ListFormat.result in C (``_speedups.join``: the list allocated once at its final size)
     returns what the Python reference does, for parts cut anywhere, with and without affixes;
@@ -756,34 +766,3 @@ def test_native_join_equals_the_python_result(monkeypatch: pytest.MonkeyPatch) -
         native.join(((1, 2),), 3, (), ())
     with pytest.raises(TypeError):
         native.join((([1, 2], 2),), 2, None, ())
-
-
-def test_a_head_grows_in_place_by_up_to_its_room() -> None:
-    """ListFormat.head is result's list with room for HEAD_ROOM more ids (at most its
-    length): the turn that takes it appends that many without the list being reallocated
-    (its allocation, sys.getsizeof, stays the same), and the ids are the same as result's.
-    A room past the list's length would be given back by CPython's first append: refused."""
-    import sys
-
-    from tokcache.engine import ids as ids_mod
-
-    native = ids_mod._native
-    rng = random.Random("head")
-    for n in (0, 1, 7, 5000, 3 * ids_mod.HEAD_ROOM):
-        ref = [rng.randrange(1 << 17) for _ in range(n + 5)]
-        chunks = Chunks(((ref[:n // 2], n // 2), (ref[n // 2:], n + 5 - n // 2)), n + 5)
-        head = LISTS.head(chunks, n)
-        assert head == LISTS.result(chunks, n) == ref[:n] and type(head) is list
-        room = min(n, ids_mod.HEAD_ROOM)
-        size = sys.getsizeof(head)
-        assert size >= sys.getsizeof([]) + 8 * (n + room)
-        more = list(range(room))
-        head += more  # what ListFormat.finish does for the taker
-        assert head == ref[:n] + more
-        assert sys.getsizeof(head) == size, n  # in place: no reallocation
-    short = Chunks((([1, 2], 2),), 2)
-    assert LISTS.head(short, 5) == [1, 2] and LISTS.head(short, -1) == []  # n past the ids, or below 0
-    with pytest.raises(ValueError):
-        native.join((([1, 2], 2),), 2, (), (), 3)  # room past the length
-    with pytest.raises(ValueError):
-        native.join((([1, 2], 2),), 2, (), (), -1)
