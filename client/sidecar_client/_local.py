@@ -709,6 +709,7 @@ class LocalPaths:
         writable here (the caller sends RecordOutput; noted, see :meth:`note_record`). Checks
         the arguments first and raises the client's typed errors, as the RPC would: a refusal
         is InvalidArgumentError naming the field."""
+        _validate.model_name(model)
         local = self.writes_directly(model)
         if local is None:
             self.note_record(model)
@@ -720,8 +721,9 @@ class LocalPaths:
         try:
             return _record(local, item, out_ids)
         except InvalidRequest as exc:
-            if exc.field == "prompt_token_ids":  # name the bad item, as the RPC path's check does
-                _validate.token_ids(prompt_token_ids, "prompt_token_ids")
+            # A bad prompt is named first, as the RPC path's checks name it (checked in full
+            # only now: a served prompt's ids were compared with what was served).
+            _validate.record_prompt(prompt_text, prompt_token_ids)
             raise InvalidArgumentError(str(exc), field=exc.field) from exc
         except RequestTooLarge as exc:
             raise ResourceExhaustedError(str(exc)) from exc
@@ -730,13 +732,15 @@ class LocalPaths:
         """``record_outputs`` in this process, or None (see :meth:`record`). Every item's
         arguments are checked before any is stored (InvalidArgumentError naming
         ``records[i].<key>``); a record that fails verification is listed, not raised."""
+        _validate.model_name(model)
         local = self.writes_directly(model)
         if local is None:
             self.note_record(model)
             return None
-        _validate.model_name(model)
         items = [_validate.record_item(r, f"records[{i}]") for i, r in enumerate(_validate.records(records))]
         checked = [_validate.record_here(model, **item, where=f"records[{i}].") for i, item in enumerate(items)]
+        for i, item in enumerate(items):  # every argument checked before any record is stored
+            _validate.record_prompt(item["prompt_text"], item["prompt_token_ids"], f"records[{i}].")
         refusals: list[tuple[int, str]] = []
         for i, (item, out_ids) in enumerate(zip(items, checked, strict=True)):
             try:

@@ -46,8 +46,8 @@ from sidecar_client.errors import InvalidArgumentError
 from tokcache.ids import le_bytes
 
 __all__ = ["MAX_JSON_DEPTH", "MODES", "RECORD_FIELDS", "TYPED_MESSAGE_KEYS", "chat", "json_value", "key_path",
-           "model_name", "record", "record_here", "record_item", "record_options", "records", "string", "timeout",
-           "token_ids", "tokenize"]
+           "model_name", "record", "record_here", "record_item", "record_options", "record_prompt", "records",
+           "string", "timeout", "token_ids", "tokenize"]
 
 MODES = ("kv-stable", "exact")
 # sidecar/wire.py MAX_JSON_DEPTH, counted the same way: the top-level JSON value is depth 1.
@@ -381,6 +381,13 @@ def record_here(model: object, *, prompt_text: object, prompt_token_ids: object,
     record_options(finish_reason=finish_reason, stop_reason=stop_reason, cache_salt=cache_salt,
                    prompt_add_special_tokens=prompt_add_special_tokens, where=where)
     return array("I", packed).tolist()
+
+
+def record_prompt(prompt_text: object, prompt_token_ids: object, where: str = "") -> None:
+    """The prompt's text and ids checked in full, as :func:`record` checks them (a C pass over
+    the ids): what :func:`record_here` leaves to the recorder."""
+    string(prompt_text, f"{where}prompt_text")
+    token_ids(prompt_token_ids, f"{where}prompt_token_ids")
 
 
 def record_options(*, finish_reason: object, stop_reason: object, cache_salt: object,

@@ -757,8 +757,6 @@ def test_local_records_raise_nothing_but_invalid_argument(local_call: Call, meth
         assert isinstance(result, _RESULTS[method])
 
 
-@pytest.mark.xfail(strict=True, reason="in-process records check prompt ids and prompt text contents only when "
-                                       "verifying: another field is named, record_outputs lists them, not raises")
 @pytest.mark.parametrize(("prompt", "field"), [({"prompt_token_ids": [-1]}, "prompt_token_ids[0]"),
                                                 ({"prompt_token_ids": [1.5]}, "prompt_token_ids[0]"),
                                                 ({"prompt_text": "\ud800"}, "prompt_text")],
@@ -775,8 +773,6 @@ def test_local_records_check_the_prompt_first(local_call: Call, prompt: dict[str
     assert (e.field, e.code) == (f"records[0].{field}", None), str(e)
 
 
-@pytest.mark.xfail(strict=True, reason="record_output/record_outputs raise TypeError (unhashable) for a list or "
-                                       "dict model on a client with the in-process path")
 @pytest.mark.parametrize("model", [[], {"name": MODEL}])
 def test_local_records_refuse_a_model_that_is_no_str(local_call: Call, model: Any) -> None:
     """A model that is no str is named, as the RPC path names it, not a TypeError from a lookup."""

@@ -684,8 +684,6 @@ def test_a_busy_writer_lock_costs_a_read_its_entries_never_its_time(
             assert again.token_ids == first.token_ids and again.decision.cached_chars >= len(texts[0]) - 2048
 
 
-@pytest.mark.xfail(strict=True, reason="a record under a busy writer lock waits RECORD_LOCK_S for each of its puts "
-                                       "(the chain, its fallback, each segment start): seconds, not RECORD_LOCK_S")
 def test_a_record_whose_writer_lock_stays_busy_gives_up_within_record_lock_s(
         sidecar: tuple[SidecarProcess, int], qwen3_path: Path) -> None:
     """A record waits RECORD_LOCK_S for the writer lock (vLLM's response waits for the record):

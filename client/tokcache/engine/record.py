@@ -258,6 +258,9 @@ the entries it learned, not stored (None: nothing to store)."""
 
 StoreFailed = Callable[[StoreError, str], None]
 """store_failed(error, consequence): a write failed (logged and counted by the caller)."""
+_Entries = Sequence[tuple[bytes, int] | tuple[bytes, int, Kind] | tuple[bytes, int, Kind, int]]
+_Put = tuple["bytes | None", int, bytes, _Entries, Kind, int]
+"""Store.put's arguments: (parent, parent_tokens, ids, entries, kind, flags)."""
 
 
 class Recorder(Generic[Ids, Out]):
@@ -274,8 +277,8 @@ class Recorder(Generic[Ids, Out]):
                  lock_timeout: float | None = None) -> None:
         self.model = model
         self.checks = checks
-        self.lookup = lookup
-        self.serve = serve
+        self.lookup: Lookup[Ids, Out] = lookup
+        self.serve: Serve[Out, Ids] = serve
         self.store = store
         self.memo: ChainMemo[Ids] = lookup.memo
         self.fmt: IdFormat[Ids, Out] = lookup.memo.fmt
@@ -317,16 +320,23 @@ class Recorder(Generic[Ids, Out]):
             how, chain = "served", self._chain(served, salt, out, out_data)
         else:
             how, chain = self._match_prompt(prompt_text, prompt_ids, salt, out, out_data, prompt_add_special_tokens)
-        segments = self._segments(output_text, out_data, out, salt)
+        segments: list[tuple[_Put, list[tuple[bytes, int, Kind, int]]]] = self._segments(
+            output_text, out_data, out, salt)
         # The chain's first choice and the segment records under one taking of the writer lock.
         first = next(chain)
         refs = self._put_many([first.put, *(put for put, _ in segments)])
+        failed = not refs
+        refs = refs or [None] * (1 + len(segments))
         ref, link = refs[0], first
-        while ref is None:  # the chain's parent went meanwhile: the next way to store it (made now)
+        # The chain's parent went meanwhile: the next way to store it (made now). Not after a
+        # store failure (its lock busy past the timeout): every other way would wait as long.
+        while ref is None and not failed:
             alt = next(chain, None)
             if alt is None:
                 break
-            ref, link = self._put_many([alt.put])[0], alt
+            got = self._put_many([alt.put])
+            failed = not got
+            ref, link = (got[0] if got else None), alt
         entries = 0
         if ref is not None:
             entries += len(link.put[3])
@@ -430,20 +440,15 @@ class Recorder(Generic[Ids, Out]):
         return [((None, 0, pack_ids(out), keys, Kind.AR, F_SEGMENT), keys)]
 
     def _put_many(self, puts: list[_Put]) -> list[RecordRef | None]:
-        """``Store.put_many``; None for each when the store failed (recording is best effort:
-        a failing store costs the entries, never the caller's request; ``store_failed`` hears
-        of a failure)."""
+        """``Store.put_many``: a ref per put (None: its parent is gone); an empty list when
+        the store failed (recording is best effort: a failing store costs the entries, never
+        the caller's request; ``store_failed`` hears of a failure)."""
         try:
             return self.store.put_many(puts, lock_timeout=self.lock_timeout)
         except StoreError as exc:
             if self._store_failed is not None:
                 self._store_failed(exc, "output not recorded")
-            return [None] * len(puts)
-
-
-_Entries = Sequence[tuple[bytes, int] | tuple[bytes, int, Kind] | tuple[bytes, int, Kind, int]]
-_Put = tuple["bytes | None", int, bytes, _Entries, Kind, int]
-"""Store.put's arguments: (parent, parent_tokens, ids, entries, kind, flags)."""
+            return []
 
 
 class _Link(Generic[Ids]):
@@ -454,12 +459,12 @@ class _Link(Generic[Ids]):
     def __init__(self, put: _Put, recorder: Recorder[Ids, Any], full: Ids | None, n: int, more: Ids, own: int,
                  write: PendingWrite[Ids] | None = None) -> None:
         self.put = put
-        self._recorder = recorder
-        self._full = full  # the prompt's ids (None: not kept: nothing is remembered)
+        self._recorder: Recorder[Ids, Any] = recorder
+        self._full: Ids | None = full  # the prompt's ids (None: not kept: nothing is remembered)
         self._n = n
-        self._more = more
+        self._more: Ids = more
         self._own = own  # the record's own ids as put (before the store inlines a parent's)
-        self._write = write  # the read whose entries this record stores
+        self._write: PendingWrite[Ids] | None = write  # the read whose entries this record stores
         self.prompt_tokens = n
 
     def stored(self, ref: RecordRef) -> None:

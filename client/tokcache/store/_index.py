@@ -75,7 +75,7 @@ class Index:
         if _native.set_slot(self._mm, self._off, self._n_buckets, key, lsn_kind, expiry, access, tail, head, now):
             self._words[W_INDEX_EVICTIONS] += 1
 
-    def _set_all_native(self, entries: list[tuple[bytes, int, int, int]], lsn: int, access: int, tail: int,
+    def _set_all_native(self, entries: list[tuple[bytes, int, int, int, int]], lsn: int, access: int, tail: int,
                         head: int, now: float) -> None:
         evicted = _native.set_slots(self._mm, self._off, self._n_buckets, entries, lsn, access, tail, head, now)
         if evicted:

@@ -219,7 +219,7 @@ class Log:
             got = _native.walk(self._fd, self._off, self.size, self.id_bytes, self._mm, key, lsn_kind, known,
                                MAX_CHAIN)
             if type(got) is int:
-                return got  # type: ignore[no-any-return]
+                return got
             rest, oldest, depth, key_expiry, chain_expiry, own, held, held_tokens, keys = got
             return Walk(rest, oldest, depth, key_expiry, chain_expiry, RecordRef(*own), held, held_tokens, keys)
         return self._walk_known(key, lsn_kind, known)

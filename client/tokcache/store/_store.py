@@ -76,6 +76,9 @@ from ._segment import Segment, attach_existing, open_segment, unlink_segment
 from ._stats import EVICTION_CAUSES, Kind, StoreStats, resident_bytes, stats_of
 from .errors import FOREIGN_ERRORS, SegmentFull, StoreClosed, translate, translated
 
+PutEntry = tuple[bytes, int] | tuple[bytes, int, Kind] | tuple[bytes, int, Kind, int]
+"""A put's entry: (key, n), (key, n, kind) or (key, n, kind, start)."""
+
 __all__ = ["EVICTION_CAUSES", "Kind", "Shrink", "Store", "StoreStats", "segment_name"]
 
 CONSOLIDATE_DEPTH: Final = 1024  # a hit this deep is rewritten as one record
@@ -473,7 +476,7 @@ class Store:
         parent: bytes | None,
         parent_tokens: int,
         ids: bytes,
-        entries: Sequence[tuple[bytes, int] | tuple[bytes, int, Kind] | tuple[bytes, int, Kind, int]],
+        entries: Sequence[PutEntry],
         kind: Kind,
         *,
         lock_timeout: float | None = None,
@@ -513,7 +516,7 @@ class Store:
 
     def put_many(
         self,
-        records: Sequence[tuple[bytes | None, int, bytes, Sequence[tuple[bytes, int] | tuple[bytes, int, Kind]],
+        records: Sequence[tuple[bytes | None, int, bytes, Sequence[PutEntry],
                                 Kind, int]],
         *,
         lock_timeout: float | None = None,
@@ -542,7 +545,7 @@ class Store:
             self._lock.release()
 
     def _prepare(self, parent: bytes | None, parent_tokens: int, ids: bytes,
-                 entries: Sequence[tuple[bytes, int] | tuple[bytes, int, Kind]], kind: Kind,
+                 entries: Sequence[PutEntry], kind: Kind,
                  flags: int) -> _Prepared | None:
         """A put's arguments checked and converted, outside the lock; None when the record
         cannot be stored (an id too wide for the segment, bigger than the arena)."""
@@ -569,7 +572,7 @@ class Store:
                 raise ValueError("entry key must be 16 bytes, not all zero")
             if not 0 <= n <= n_ids:
                 raise ValueError(f"entry n must be in [0, {n_ids}], got {n}")
-            start = entry[3] if len(entry) > 3 else 0  # type: ignore[misc]
+            start = entry[3] if len(entry) > 3 else 0
             if start and not (parent is None and 0 < start < n and start <= MAX_ENTRY_START):
                 raise ValueError(f"entry start must be in [1, n) in a record without parent, got {start}")
             k = kind if len(entry) == 2 else entry[2]
