@@ -360,18 +360,16 @@ class TokcacheContender(Contender):
     """A tokcache sidecar as a subprocess (its own segment) and a ``SidecarClient`` for it.
 
     ``zero_rpc`` (the client's default): text is tokenized in the benchmark's process from
-    the sidecar's shared memory, and what it learned is written back by the client's
-    background writer. Without it every call is a gRPC round trip over the unix socket;
+    the sidecar's shared memory, and what it learned is stored by the client within the call.
+    Without it every call is a gRPC round trip over the unix socket;
     ``stream=False`` sends each call as a unary ``Tokenize`` instead of over the client's
     ``TokenizeStream``.
     """
 
     def __init__(self, tokenizer_dir: Path, log_dir: Path, add_special_tokens: bool, shm_size: str = "256MiB",
-                 stream: bool = True, zero_rpc: bool = True, name: str = "", heads: bool = True,
-                 record_outputs: bool = False) -> None:
+                 stream: bool = True, zero_rpc: bool = True, name: str = "", record_outputs: bool = False) -> None:
         self._stream = stream
         self._zero_rpc = zero_rpc
-        self._heads = heads  # False: the in-process read's heads (tokcache.engine.heads) switched off
         # True: every turn's output is recorded (RecordOutput) before the next turn, as vLLM's
         # plugin does, so kv-stable reads take recorded outputs (AR) into account: see prepare.
         self._record = record_outputs
@@ -451,8 +449,6 @@ class TokcacheContender(Contender):
         while time.monotonic() < deadline:
             try:
                 self.encode("ready?")
-                if not self._heads:
-                    self._heads_off(deadline)
                 return
             except Exception as exc:  # noqa: BLE001 - the client's error types are not settled yet
                 last = exc
@@ -460,17 +456,6 @@ class TokcacheContender(Contender):
                     break
                 time.sleep(0.2)
         raise ContenderUnavailable(f"sidecar never answered Tokenize ({last!r}):\n{_tail(self._log)}")
-
-    def _heads_off(self, deadline: float) -> None:
-        """Switch the in-process read's heads off, once its model is open."""
-        while time.monotonic() < deadline:
-            local = self._client._local.get(TOKCACHE_MODEL) if self._client._local is not None else None
-            if local is not None:
-                local.lookup.heads.enabled = False
-                return
-            self.encode("ready?")
-            time.sleep(0.1)
-        raise ContenderUnavailable("the in-process read never opened: cannot switch its heads off")
 
     def encode(self, text: str) -> list[int]:
         r = self._client.tokenize(model=TOKCACHE_MODEL, text=text, add_special_tokens=self._add, cache_salt="")
@@ -500,8 +485,8 @@ class TokcacheContender(Contender):
         out, ids = got
         self._client.record_output(TOKCACHE_MODEL, prompt_text=prompt, prompt_token_ids=prompt_ids, output_text=out,
                                    output_token_ids=ids, stop_reason=None, prompt_add_special_tokens=self._add)
-        # The gap before the next turn (the client reads the response, runs its tools): the
-        # write-behind works in it, e.g. reading the record's chain for that turn (heads).
+        # The gap before the next turn (the client reads the response, runs its tools): what
+        # the client still keeps for records that did not come is stored in it, untimed.
         self._client.flush(5.0)
 
     def close_client(self) -> None:
@@ -512,7 +497,8 @@ class TokcacheContender(Contender):
             self._client = None
 
     def settle(self) -> None:
-        """Wait for the client's write-behind (between timed calls, not inside one)."""
+        """Store what the client keeps for records that did not come (``SidecarClient.flush``),
+        between timed calls, not inside one."""
         if self._client is not None:
             self._client.flush(5.0)
 

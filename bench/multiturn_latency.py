@@ -9,11 +9,10 @@ text at the last turn) and, turn by turn, has every contender tokenize the same 
 - ``fastokens+seg``   in-process ``fastokens`` with its segment cache
 - ``smg``             SMG 1.13's ``/v1/tokenize`` with its L0+L1 cache, HTTP keep-alive
 - ``tokcache``        tokcache's default client (``SidecarClient``): reads the sidecar's shared
-                      memory in this process, no RPC; what a read learned is stored by the
-                      client's background writer after the call (outside the timed call; the
-                      time it took is recorded as ``write_us``), which also copies the next
-                      turn's head (``tokcache.engine.heads``); ``--heads-device`` adds
-                      ``tokcache-no-heads``, the same with heads switched off
+                      memory in this process, no RPC; what a read learned is stored within
+                      the call (in the latency); ``SidecarClient.flush`` after it, outside the
+                      timed call, stores what the client kept for records that did not come
+                      (its time is recorded as ``write_us``)
 - ``tokcache-ar``     the default client as vLLM's plugin uses it: each turn's output is
                       recorded (``RecordOutput``, untimed) before the next turn, so reads
                       splice recorded outputs (kv-stable with AR entries: the Python path, as
@@ -153,8 +152,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--no-rpc", action="store_true", help="skip the tokcache RPC contenders")
     ap.add_argument("--ar", action="store_true",
                     help="also run tokcache-ar: each turn's output recorded before the next (vLLM's plugin path)")
-    ap.add_argument("--heads-device", action="store_true",
-                    help="also run tokcache-no-heads: the in-process read with its heads off (what heads save)")
     ap.add_argument("--long", action="store_true",
                     help="1 conversation of 100 turns to ~800 KB; summary over the last 10 turns")
     ap.add_argument("--out-dir", type=Path, default=HERE / "out")
@@ -190,8 +187,6 @@ def build_contenders(
         entries.append(Entry(tc))
         if args.ar:
             entries.append(Entry(TokcacheContender(tok_dir, args.out_dir, add, record_outputs=True)))
-        if args.heads_device:
-            entries.append(Entry(TokcacheContender(tok_dir, args.out_dir, add, heads=False, name="tokcache-no-heads")))
         if not args.no_rpc:
             rpc = TokcacheContender(tok_dir, args.out_dir, add, zero_rpc=False, stream=not args.unary)
             entries += [Entry(rpc), Entry(TokcacheFloor(rpc))]
@@ -329,7 +324,7 @@ def run(args: argparse.Namespace) -> int:
                         gc.enable()
                     info = dict(c.last_info())
                     settle = getattr(c, "settle", None)
-                    if settle is not None:  # the write-behind, timed apart (after the reply)
+                    if settle is not None:  # the client's flush, timed apart (after the reply)
                         w0 = time.perf_counter_ns()
                         settle()
                         info["write_us"] = round((time.perf_counter_ns() - w0) / 1000, 1)
@@ -534,7 +529,7 @@ def summarise(
                 pass
     summ = {k: v["summary_turns_ge2"] for k, v in res["contenders"].items() if v["summary_turns_ge2"]["n"]}
     ratios: dict[str, dict[str, float]] = {}
-    nums = ("tokcache", "tokcache-ar", "tokcache-no-heads", "tokcache-rpc", "tokcache-rpc-unary", "smg")
+    nums = ("tokcache", "tokcache-ar", "tokcache-rpc", "tokcache-rpc-unary", "smg")
     for num in nums:
         if num not in summ:
             continue
@@ -671,7 +666,7 @@ def print_report(r: dict[str, Any]) -> None:
         writes = [s["write_us"] for s in cs["tokcache"]["samples"] if s.get("write_us") is not None]
         served = Counter(s.get("served_by") for s in cs["tokcache"]["samples"])
         if writes:
-            print(f"  served by: {dict(served)}; write-behind after each call (not in the latency): "
+            print(f"  served by: {dict(served)}; flush after each call (not in the latency): "
                   f"p50 {_us(percentile(writes, 50))}, p90 {_us(percentile(writes, 90))}")
         for d in t["shm_per_conversation"]:
             used, res_ = d.get("used_bytes"), d.get("resident_bytes")
