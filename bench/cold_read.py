@@ -14,7 +14,8 @@ then runs one warm-up that is not timed, rotating over:
   code path: the hasher, the store, the lookup, the encoder);
 - ``client``: the same through the client (``SidecarClient.tokenize``);
 - ``direct``: no warm-up, and the timed read calls the lookup directly, skipping the client's
-  layers (its bookkeeping is settled after the clock stops, as the client's write-behind does).
+  layers (what the client does with the read's entries, ``LocalModel._keep``, is done after
+  the clock stops).
 
 What a warm-up saves is what that part costs a cold read. Alongside, per read: fastokens with
 its segment cache on the whole text, and the tail encoder alone on the part the turn appended,
@@ -121,7 +122,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     text = conv[turn]
                     variant = VARIANTS[(turn * len(convs) + ci) % len(VARIANTS)]
                     thrash()
-                    time.sleep(0.002)  # the write-behind settles the previous read meanwhile
                     if variant == "encoder":
                         encoder.encode("x" * 50)
                     elif variant == "python":
@@ -144,8 +144,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         if got.served_by != "local":
                             rpc += 1
                     gc.enable()
-                    if variant == "direct" and result.later is not None:
-                        local.settler.add(result.later, text, "", mode)  # as the client files it
+                    if variant == "direct":  # the entries stored or kept, as the client's read does
+                        local._keep(text, "", mode, False, result)
                     client.flush()
                     reads += 1
                     if reads % args.check == 0 and list(ids) != ref.encode(text, add_special_tokens=False).ids:
