@@ -28,9 +28,8 @@ Contenders run one after another on the same cores, each with its own fresh serv
 - ``fastokens``, ``fastokens+seg``  in-process in every client process (``+seg``: its segment cache)
 - ``smg``                           SMG 1.13's ``/v1/tokenize`` (HTTP keep-alive per process)
 - ``tokcache``                      the default client: reads the sidecar's shared memory in
-                                    each client process, writes what it learned from its
-                                    background thread (that CPU is on the same cores and in
-                                    the figures)
+                                    each client process and stores what it learned within
+                                    the request
 - ``tokcache-rpc``                  the client with ``zero_rpc=False``: every request is a
                                     gRPC round trip to one sidecar process
 - ``tokcache-ar``                   (opt-in: ``--contenders ...,tokcache-ar``) the default client
@@ -194,7 +193,7 @@ def _child(name: str, index: int, args: dict[str, Any], texts: list[str], barrie
         barrier.wait(timeout=BARRIER_TIMEOUT_S)
         lat: list[float] = []
         kept: list[tuple[int, list[int]]] = []
-        c0 = time.process_time()  # this process's CPU, its write-behind thread included
+        c0 = time.process_time()  # this process's CPU, every thread's
         ru0 = resource.getrusage(resource.RUSAGE_SELF)
         t_start = time.time()
         t0 = time.perf_counter()
@@ -384,6 +383,8 @@ def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    from sidecar_client._local import MIN_FIRST_WRITE_BYTES, MIN_WRITE_BYTES
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--procs", default=None, help="client process counts (default 1,4,16; --quick: 1,4)")
     ap.add_argument("--contenders", default=",".join(CONTENDERS),
@@ -411,9 +412,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="MiB this process writes and frees once the clients wait at the barrier, before each "
                          "run's clock (default 0: none; see the module docstring)")
     ap.add_argument("--min-write-bytes", type=int, default=None,
-                    help="the tokcache clients' min_write_bytes (default: the client's, 16384): a read whose "
-                         "uncached tail is shorter stores nothing; higher stores less often, for processes whose "
-                         "conversations never move to another process")
+                    help=f"the tokcache clients' min_write_bytes (default: the client's, {MIN_WRITE_BYTES}): "
+                         "a read whose uncached tail is shorter stores nothing (one that found nothing cached: "
+                         f"shorter than this or {MIN_FIRST_WRITE_BYTES}, whichever is less); higher stores less "
+                         "often, for processes whose conversations never move to another process")
     ap.add_argument("--tokenizer-dir", type=Path, default=None)
     ap.add_argument("--out-dir", type=Path, default=HERE / "out")
     args = ap.parse_args(argv)
