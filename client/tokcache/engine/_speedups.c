@@ -1171,21 +1171,18 @@ static PyObject *py_untrack(PyObject *self, PyObject *ids) {
 /* join: a result list made once, at its final size.                                   */
 
 PyDoc_STRVAR(join_doc,
-"join(parts, n, prefix, suffix, room=0) -> list\n\n"
+"join(parts, n, prefix, suffix) -> list\n\n"
 "ids.ListFormat.result (the reference): ``prefix``, then the first ``n`` ids of ``parts`` (a\n"
 "tuple of (list, length) pairs: the first ``length`` items of each list, in order), then\n"
 "``suffix``, as one new list allocated once at its final size. Growing a list part by part\n"
 "reallocates it as it grows: a few reallocations of ~120 KB per 57 KB prompt, each a\n"
 "malloc that also consolidates the allocator's free small chunks (cold when many processes\n"
-"share the cores). ``room`` (at most the list's length): the list is allocated with room for\n"
-"that many more items, so appending up to ``room`` items later (a head's taker:\n"
-"ids.ListFormat.head) writes in place instead of reallocating and copying it; invisible\n"
-"otherwise. ValueError when a part's length exceeds its list's, or for a bad ``room``.");
+"share the cores). ValueError when a part's length exceeds its list's.");
 
 static PyObject *py_join(PyObject *self, PyObject *args) {
     PyObject *parts, *prefix_in, *suffix_in;
-    Py_ssize_t n, room = 0;
-    if (!PyArg_ParseTuple(args, "O!nOO|n", &PyTuple_Type, &parts, &n, &prefix_in, &suffix_in, &room)) return NULL;
+    Py_ssize_t n;
+    if (!PyArg_ParseTuple(args, "O!nOO", &PyTuple_Type, &parts, &n, &prefix_in, &suffix_in)) return NULL;
     PyObject *prefix = PySequence_Fast(prefix_in, "join: prefix must be a sequence");
     if (prefix == NULL) return NULL;
     PyObject *suffix = PySequence_Fast(suffix_in, "join: suffix must be a sequence");
@@ -1213,28 +1210,20 @@ static PyObject *py_join(PyObject *self, PyObject *args) {
     }
     Py_ssize_t npre = PySequence_Fast_GET_SIZE(prefix), nsuf = PySequence_Fast_GET_SIZE(suffix);
     Py_ssize_t size = npre + total + nsuf;
-    /* CPython's list_resize keeps an allocation while the new size is at least half of it:
-       room past the size would be given back by the first append (a shrink). */
-    if (room < 0 || room > size) {
-        PyErr_SetString(PyExc_ValueError, "join: room must be in [0, the result's length]");
-        goto done;
-    }
-    /* The items from PyMem_Malloc, not PyList_New's calloc: every item up to size is written
-     * below, and the room past it is the list's spare capacity (a list owns only its first
-     * size items, as after list.pop): zeroing it all first, ~120-240 KB at 57 KB, touched
-     * every page of the room too. The size is set once they are written (no allocation
-     * between, so no collection can see the list half made). */
+    /* The items from PyMem_Malloc, not PyList_New's calloc: every item is written below, so
+     * zeroing them first (~120 KB at 57 KB) would touch every page twice. The size is set once
+     * they are written (no allocation between, so no collection can see the list half made). */
     out = PyList_New(0);
     if (out == NULL) goto done;
-    if (size + room > 0) {
-        PyObject **items = PyMem_New(PyObject *, (size_t)(size + room));
+    if (size > 0) {
+        PyObject **items = PyMem_New(PyObject *, (size_t)size);
         if (items == NULL) {
             Py_CLEAR(out);
             PyErr_NoMemory();
             goto done;
         }
         ((PyListObject *)out)->ob_item = items;
-        ((PyListObject *)out)->allocated = size + room;
+        ((PyListObject *)out)->allocated = size;
     }
     PyObject **dst = ((PyListObject *)out)->ob_item, **src = PySequence_Fast_ITEMS(prefix);
     for (Py_ssize_t i = 0; i < npre; i++) *dst++ = Py_NewRef(src[i]);
