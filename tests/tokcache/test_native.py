@@ -9,6 +9,7 @@ one way to run without them.
 
 from __future__ import annotations
 
+import ast
 import importlib
 import os
 import shutil
@@ -96,6 +97,29 @@ def test_a_stale_build_is_refused(name: str, monkeypatch: pytest.MonkeyPatch) ->
                                                     rf"{built + 1}\)"):
         native.load(name, built + 1)
     assert issubclass(native.ExtensionError, ImportError)
+
+
+def _stub_names(path: Path) -> set[str]:
+    """The public names a stub declares at its top level (functions, classes, constants)."""
+    names: set[str] = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.FunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+        elif isinstance(node, ast.Assign):
+            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+    return {n for n in names if not n.startswith("_")}
+
+
+@pytest.mark.parametrize("name", sorted(EXTENSIONS))
+def test_the_stub_declares_what_the_extension_exports(name: str) -> None:
+    """Each extension's ``.pyi`` (shipped for type checkers, and the place a reader finds the
+    C functions' signatures) declares exactly the public names the built module has, so a
+    function added to or dropped from the C side cannot leave the stub behind."""
+    ext = importlib.import_module(name)
+    stub = (ROOT / "client" / Path(*name.split("."))).with_suffix(".pyi")
+    assert _stub_names(stub) == {n for n in dir(ext) if not n.startswith("_")}
 
 
 def test_a_compile_error_fails_the_build(tmp_path: Path) -> None:

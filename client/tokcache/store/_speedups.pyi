@@ -1,5 +1,8 @@
 """Types of the C extension ``_speedups.c`` (index probes and slot writes, ``_index.py`` the reference;
-``Hasher``: ``_hasher.c``)."""
+``walk``: ``_walk.c``, ``_log.py`` the reference; ``Hasher``: ``_hasher.c``)."""
+
+from collections.abc import Callable
+from typing import Any
 
 from typing_extensions import Buffer
 
@@ -16,6 +19,9 @@ def write_record(buf: Buffer, start: int, size: int, lsn: int, parent_lsn: int, 
                  base: int, n_ids: int, kind: int, flags: int, expiry: int, parent_size: int, floor: int,
                  entries: list[tuple[bytes, int, int, int]], ids: Buffer) -> None: ...
 def narrow(ids: Buffer, id_bytes: int) -> bytes | None: ...
+def walk(fd: int, arena_off: int, arena_size: int, id_bytes: int, words: Buffer, key: Buffer, lsn_kind: int,
+         known: Callable[[int, bytes], tuple[Any, int, int] | None] | None, max_chain: int
+         ) -> tuple[Any, ...] | int: ...
 
 class Hasher:
     """SHA-256 (OpenSSL's libcrypto; the digests of hashlib.sha256), holding the GIL."""
