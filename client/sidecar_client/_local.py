@@ -133,7 +133,7 @@ class LocalStats:
       the sidecar: no write access here), ``busy`` (the writer lock stayed taken), ``refused``
       (the store took nothing: parent gone, full), ``failed`` (a store error)
     - ``records``: outputs recorded in this process (``recorded``, ``refused``: failed
-      verification) or sent to the sidecar (``rpc``)
+      verification); a record sent to the sidecar (RecordOutput) is the sidecar's to count
     - ``paths``: requests answered in-process by the path that served them: ``native`` (the
       fast path: the text extends one this process read lately, see
       ``tokcache.engine.lookup.Lookup._extend``) or ``python`` (every other one; the same ids,
