@@ -396,16 +396,28 @@ class TierFeed:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="tokcache-tier-feed")
 
     def feed(self) -> int:
-        """One pass over every segment: entries queued for the tier. (Tests call it directly.)"""
+        """One pass over every segment: entries queued for the tier. (Tests call it directly.)
+
+        Each segment is followed from where the last pass stopped; one first seen now, from
+        its head, as at :meth:`start`. A pass that fails on a segment (a store closed under it)
+        keeps its cursor, so the next pass resumes there: restarting at the oldest live record
+        would send the whole log to the tier again, and restarting at the head would skip what
+        was recorded meanwhile. A cursor past the head belongs to a log that is gone (a segment
+        created again under the name): every record of the new one is newer, so it is followed
+        from its oldest live record."""
         queued = 0
         for fp, store in self._stores():
+            name = getattr(store, "name", "?")
             try:
-                cursor, items = store.follow(self._cursors.get(store.name, 0), limit=FOLLOW_RECORDS)
-            except Exception as exc:  # a closed or replaced store: start over at its head next time
-                log.debug("cluster tier: following %s failed: %r", getattr(store, "name", "?"), exc)
-                self._cursors.pop(getattr(store, "name", ""), None)
+                head = store.head()
+                cursor = self._cursors.get(name)
+                if cursor is None or cursor > head:
+                    cursor = head if cursor is None else 0
+                cursor, items = store.follow(cursor, limit=FOLLOW_RECORDS)
+            except Exception as exc:  # the cursor stays: the next pass resumes there
+                log.debug("cluster tier: following %s failed: %r", name, exc)
                 continue
-            self._cursors[store.name] = cursor
+            self._cursors[name] = cursor
             if items and self.tier.write(fp, items) == "queued":
                 queued += len(items)
         return queued

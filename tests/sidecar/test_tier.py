@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -309,6 +310,70 @@ with Store.open(prefix=prefix, fingerprint=fp, size=1 << 20) as store:
         assert store.put(None, 0, pack_ids([i, i + 7, i + 9]), [(bytes([i + 1]) * 16, 3)], Kind.AR, flags=F_SEGMENT)
     assert store.put(None, 0, pack_ids([5, 6]), [(bytes([9]) * 16, 2)], Kind.AR)  # a prompt chain: no F_SEGMENT
 """
+
+
+class _Sent:
+    """A tier that keeps what the feed hands it (ArTier.write's contract: "queued")."""
+
+    def __init__(self) -> None:
+        self.keys: list[bytes] = []
+
+    def write(self, fp: str, items: list[tuple[bytes, bytes]]) -> str:
+        self.keys += [k for k, _ids in items]
+        return "queued"
+
+
+class _Failing:
+    """A store whose next ``head``/``follow`` raise while ``failing`` is set (closed under the feed)."""
+
+    def __init__(self, store: Any) -> None:
+        self.store, self.name, self.failing = store, store.name, False
+
+    def head(self) -> int:
+        if self.failing:
+            raise RuntimeError("closed")
+        return int(self.store.head())
+
+    def follow(self, cursor: int, *, limit: int) -> tuple[int, list[tuple[bytes, bytes]]]:
+        if self.failing:
+            raise RuntimeError("closed")
+        return self.store.follow(cursor, limit=limit)  # type: ignore[no-any-return]
+
+
+def test_a_failed_pass_resumes_where_the_feed_stopped(shm_prefix: str) -> None:
+    """A pass that fails on a segment keeps its cursor: the next one sends what was recorded
+    since, nothing twice and nothing skipped. A cursor past the head (the segment created again
+    under its name) follows the new log from its oldest record."""
+    from tokcache.sidecar.tier import TierFeed
+    from tokcache.store import F_SEGMENT, Kind, Store
+
+    def put(store: Store, key: bytes) -> None:
+        assert store.put(None, 0, pack_ids([1, 2, 3]), [(key, 3)], Kind.AR, flags=F_SEGMENT)
+
+    store = Store.open(prefix=shm_prefix, fingerprint=FP, size=1 << 20)
+    try:
+        put(store, b"\x01" * 16)
+        sent, wrapped = _Sent(), _Failing(store)
+        feed = TierFeed(sent, lambda: [(FP, wrapped)])  # type: ignore[arg-type]
+        assert feed.feed() == 0  # first seen: followed from its head, as start() does
+        put(store, b"\x02" * 16)
+        assert feed.feed() == 1 and sent.keys == [b"\x02" * 16]
+        wrapped.failing = True
+        put(store, b"\x03" * 16)
+        assert feed.feed() == 0
+        wrapped.failing = False
+        put(store, b"\x04" * 16)
+        assert feed.feed() == 2 and sent.keys == [bytes([i]) * 16 for i in (2, 3, 4)]
+        store.unlink()
+        store.close()
+        store = Store.open(prefix=shm_prefix, fingerprint=FP, size=1 << 20)
+        assert store.head() < feed._cursors[store.name]
+        put(store, b"\x05" * 16)
+        wrapped.store = store
+        assert feed.feed() == 1 and sent.keys[-1] == b"\x05" * 16
+    finally:
+        store.unlink()
+        store.close()
 
 
 def test_the_feed_writes_the_segment_records_appended_after_it_started(node: RedisServer, shm_prefix: str) -> None:
