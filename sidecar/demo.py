@@ -6,9 +6,12 @@ two ``\\n`` tokens re-encodes as one), so vLLM's prefix cache — keyed by token
 matching at the first such answer and prefills the rest again, every turn.
 
 The demo starts a real ``tokcache-sidecar`` on a temporary socket and replays an agent
-conversation. At every turn a stand-in for the model answers with ids a real model
-produces (valid, but not what BPE would pick for the text), and the answer is recorded
-(RecordOutput). The next turn's prompt is then tokenized two ways:
+conversation. At every turn a stand-in for the model answers: the answer's canonical ids
+with every multi-byte token split into two vocabulary tokens (valid ids that decode to the
+text, but not what BPE picks), and the answer is recorded (RecordOutput). A trained model
+generates most tokens as BPE would, so its answers re-encode differently from their first
+non-canonical token on, later or not at all: the stand-in is the worst case for vLLM alone.
+The next turn's prompt is then tokenized two ways:
 
 - as vLLM does by default: render, then ``tokenizers`` (canonical ids);
 - with tokcache's client (``sidecar_client.SidecarClient``, reading the sidecar's shared
@@ -72,11 +75,12 @@ QUESTIONS = [
 
 
 def model_ids(text: str, encode: Any, token_bytes: dict[int, bytes], specials: set[int]) -> list[int]:
-    """Ids a model may generate for ``text``: valid (they decode to it) but often not BPE's.
+    """The stand-in model's ids for ``text``: valid (they decode to it), never BPE's where avoidable.
 
-    Models emit one token at a time and regularly pick two shorter tokens where BPE has
-    one (newlines, spaces before words): split every multi-byte canonical token that has a
-    split into two vocabulary tokens.
+    Models emit one token at a time and sometimes pick two shorter tokens where BPE has one
+    (newlines, spaces before words). The stand-in does it for every multi-byte canonical token
+    that has a split into two vocabulary tokens, so an answer's re-encoding differs from its
+    first multi-byte token on; a trained model's differs from its first such choice, if any.
     """
     reverse = {b: i for i, b in token_bytes.items() if i not in specials}
     out: list[int] = []
@@ -148,7 +152,9 @@ def main() -> int:
             client.tokenize("qwen3", text="warm up")  # maps the segment, loads the encoder: once
             print(f"model {m.name}: tokenizer fingerprint {m.fingerprint}, encoder {m.backend}, "
                   f"{m.boundary_tokens} boundary tokens\nclient: reads segment {m.shm_name} in this process "
-                  f"(attached in {(time.perf_counter() - t0) * 1000:.0f} ms)\n")
+                  f"(attached in {(time.perf_counter() - t0) * 1000:.0f} ms)")
+            print("answers: a stand-in for the model, every multi-byte token split in two (valid ids, not BPE's);\n"
+                  "a trained model generates most tokens as BPE would, so the 'vLLM alone' column is a worst case.\n")
             print(f"{'turn':>4} {'prompt':>7} {'prefilled':>10} {'prefilled':>10}  {'decision':<8} {'from cache':>10} "
                   f"{'encoded':>8} {'tokcache':>9} {'tokenizers':>10}  ids")
             print(f"{'':>4} {'':>7} {'vLLM alone':>10} {'tokcache':>10}  {'':<8} {'':>10} {'':>8} {'':>9} "
@@ -193,7 +199,8 @@ def main() -> int:
                   f"{totals['tc']} with tokcache ({totals['alone'] / max(1, totals['tc']):.1f}x fewer)")
             print(f"prefilled = prompt tokens past the longest prefix vLLM still holds KV for (the previous prompt "
                   f"+ the ids the model generated), in {BLOCK}-token blocks.\nvLLM alone re-tokenizes the "
-                  f"model's last answer into other ids, so the KV from there on is prefilled again; with "
+                  f"model's last answer into other ids, so the KV from there on is prefilled again\n(here from the "
+                  f"answer's start; with a trained model from its first non-canonical token, if any); with "
                   f"tokcache the recorded ids come back (decision 'ar') and only the new messages are prefilled.")
             stats = client.stats()
             print(f"client: {stats['tokenize']} decided in this process, {sum(stats['fallbacks'].values())} over "
