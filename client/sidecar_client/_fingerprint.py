@@ -1,27 +1,20 @@
-"""A client's copy of a tokenizer: where its ``tokenizer.json`` is, and its fingerprint.
+"""A client's copy of a tokenizer: where its ``tokenizer.json`` is.
 
-The sidecar identifies a tokenizer by ``sha256(tokenizer.json bytes).hexdigest()[:32]``
-(``tokcache.sidecar.engine.model.fingerprint_of``); this module repeats that formula
-without importing the server package. The in-process read path and the vLLM plugin
-both find the ``tokenizer.json`` here: a file or directory they were given, the
-directory a loaded tokenizer came from, or the Hugging Face hub cache.
+The in-process read path and the vLLM plugin both find the ``tokenizer.json`` here: a
+file or directory they were given, the directory a loaded tokenizer came from, or the
+Hugging Face hub cache. Its fingerprint, which the sidecar's must equal, is
+``tokcache.engine.tokenizer.fingerprint_of``: the one formula both sides run.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TOKENIZER_FILE", "fingerprint_file", "find_tokenizer_json"]
+__all__ = ["TOKENIZER_FILE", "find_tokenizer_json"]
 
 TOKENIZER_FILE = "tokenizer.json"
-
-
-def fingerprint_file(path: Path) -> str:
-    """``sha256(bytes).hexdigest()[:32]``: 32 hex chars, equal to the server's ``fingerprint_of``."""
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:32]
 
 
 def _candidates(tokenizer: Any, names: Iterable[str | Path | None]) -> list[Path]:

@@ -18,10 +18,10 @@ from e2e.tests.harness import BANNED, VllmServer, wait_until
 def test_other_tokenizer_is_refused_and_vllm_serves_correctly(mismatch: VllmServer, baseline: VllmServer,
                                                               llama_dir: Path, model_dir: Path,
                                                               report: Callable[[str], None]) -> None:
-    from sidecar_client._fingerprint import fingerprint_file
+    from tokcache.engine.tokenizer import fingerprint_of
 
-    llama_fp = fingerprint_file(llama_dir / "tokenizer.json")
-    qwen_fp = fingerprint_file(model_dir / "tokenizer.json")
+    llama_fp = fingerprint_of(llama_dir / "tokenizer.json")
+    qwen_fp = fingerprint_of(model_dir / "tokenizer.json")
     assert llama_fp != qwen_fp
 
     chat = {"model": mismatch.model, "messages": [{"role": "user", "content": "Hello\n\n\nthere"}],

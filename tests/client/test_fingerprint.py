@@ -1,26 +1,27 @@
-"""A client's fingerprint of a tokenizer equals the server's, and finding tokenizer.json."""
+"""A tokenizer's fingerprint, and finding a client's tokenizer.json."""
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from sidecar_client._fingerprint import find_tokenizer_json, fingerprint_file
-from tokcache.sidecar.engine.model import fingerprint_of
+from sidecar_client._fingerprint import find_tokenizer_json
+from tokcache.engine.tokenizer import fingerprint_of
 
 
 @pytest.mark.parametrize("which", ["qwen3", "llama32"])
-def test_fingerprint_equals_the_servers(which: str, request: pytest.FixtureRequest) -> None:
+def test_fingerprint_is_the_files_sha256_prefix(which: str, request: pytest.FixtureRequest) -> None:
+    """The handshake compares this value with one an older peer may have computed: its formula is fixed."""
     path = Path(request.getfixturevalue(f"{which}_path")) / "tokenizer.json"
-    assert fingerprint_file(path) == fingerprint_of(path)
-    assert len(fingerprint_file(path)) == 32
+    assert fingerprint_of(path) == hashlib.sha256(path.read_bytes()).hexdigest()[:32]
 
 
 def test_different_tokenizers_differ(qwen3_path: Path, llama32_path: Path) -> None:
-    assert fingerprint_file(qwen3_path / "tokenizer.json") != fingerprint_file(llama32_path / "tokenizer.json")
+    assert fingerprint_of(qwen3_path / "tokenizer.json") != fingerprint_of(llama32_path / "tokenizer.json")
 
 
 def test_find_in_the_model_directory(tmp_path: Path, qwen3_path: Path) -> None:

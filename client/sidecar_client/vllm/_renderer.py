@@ -22,13 +22,14 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.renderers.hf import HfRenderer  # type: ignore[import-not-found,unused-ignore]
 
-from sidecar_client._fingerprint import find_tokenizer_json, fingerprint_file
+from sidecar_client._fingerprint import find_tokenizer_json
 from sidecar_client.vllm._config import PluginConfig, PluginConfigError
 from sidecar_client.vllm._hooks import HookReport, check_hooks, export_state
 from sidecar_client.vllm._runtime import PluginRuntime
 from sidecar_client.vllm._scale_out import install_derender_wrapper, uninstall_derender_wrapper
 from sidecar_client.vllm._stats import PluginStats, install_prometheus
 from sidecar_client.vllm._trace import current_trace, install_into_vllm
+from tokcache.engine.tokenizer import fingerprint_of
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig  # type: ignore[import-not-found,unused-ignore]
@@ -109,7 +110,7 @@ def _make_runtime(config: VllmConfig, tokenizer: Any, report: HookReport) -> Plu
         return None
     path = find_tokenizer_json(getattr(model_config, "tokenizer", None), getattr(model_config, "model", None),
                                tokenizer=tokenizer, revision=getattr(model_config, "tokenizer_revision", None))
-    fingerprint = fingerprint_file(path) if path is not None else None
+    fingerprint = fingerprint_of(path) if path is not None else None
 
     def decode(ids: list[int]) -> str:
         return str(tokenizer.decode(ids, skip_special_tokens=False))
