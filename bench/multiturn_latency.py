@@ -82,6 +82,8 @@ from _contenders import (  # noqa: E402
 from _plot import pyplot  # noqa: E402
 from _stats import percentile  # noqa: E402
 
+from tokcache.ids import common_prefix  # noqa: E402
+
 SHM_TARGET_BYTES = 128 * 1024
 SEGMENT_CACHE_BYTES = 64 << 20
 # No special tokens: warming up must not seed the caches with a boundary the runs then hit.
@@ -107,13 +109,6 @@ class Entry:
     samples: list[Sample] = field(default_factory=list)
     checked_calls: int = 0
     mismatches: int = 0
-
-
-def first_diff(a: list[int], b: list[int]) -> int:
-    for i, (x, y) in enumerate(zip(a, b, strict=False)):
-        if x != y:
-            return i
-    return min(len(a), len(b))
 
 
 def loud(msg: str) -> None:
@@ -335,7 +330,7 @@ def run(args: argparse.Namespace) -> int:
                         if ids != want:
                             e.mismatches += 1
                             exit_code = 1
-                            i = first_diff(ids, want)
+                            i = common_prefix(ids, want)
                             info = {
                                 "contender": c.name,
                                 "conv": ci,

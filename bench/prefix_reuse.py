@@ -86,6 +86,7 @@ for _p in (ROOT / "client",):
 
 from bench.ar_emulator import AREmulator, Emulated  # noqa: E402
 from bench.prefix_cache_model import PrefixCache  # noqa: E402
+from tokcache.ids import common_prefix  # noqa: E402
 
 RATES = (0.0, 0.001, 0.01, 0.05)
 BLOCK_SIZES = (16, 128)
@@ -529,8 +530,7 @@ def replay(q: Qwen3, conv: Conversation, ci: int, rate: float, gens: list[Emulat
         rep.paths["tokcache"].append(TurnIds(list(r.token_ids), gen.ids))
         if list(r.token_ids) != oracle:
             tc_ids = list(r.token_ids)
-            i = next((j for j, (a, b) in enumerate(zip(tc_ids, oracle, strict=False)) if a != b),
-                     min(len(tc_ids), len(oracle)))
+            i = common_prefix(tc_ids, oracle)
             rep.oracle_diffs.append({
                 "turn": t + 1, "source": r.decision.source, "first_diff_token": i,
                 "tokcache_tokens": len(tc_ids), "oracle_tokens": len(oracle),

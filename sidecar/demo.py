@@ -92,15 +92,6 @@ def model_ids(text: str, encode: Any, token_bytes: dict[int, bytes], specials: s
     return out
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def _wait_ready(client: Any, proc: subprocess.Popen[bytes], timeout: float = 90.0) -> Any:
     from sidecar_client import SidecarUnavailable
 
@@ -123,6 +114,7 @@ def main() -> int:
 
     from sidecar_client import SidecarClient
     from tokcache.engine.tokenbytes import TokenBytes
+    from tokcache.ids import common_prefix
     from tokcache.sidecar.engine.render import ChatRenderer
 
     model_dir = qwen3_dir()

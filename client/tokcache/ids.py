@@ -3,18 +3,19 @@
 The wire (``bytes`` fields of ``tokcache.v1``), the store's API and the encoders all
 speak it; these are its encoder and decoder (``tokcache.engine.ids.unpack_interned`` decodes
 it too, into a client's shared int objects, with ``unpack_ids`` as its reference).
+:func:`common_prefix` measures what two id sequences share, as a prefix cache sees it.
 """
 
 from __future__ import annotations
 
 import sys
 from array import array
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from tokcache import native
 
-__all__ = ["le_bytes", "pack_ids", "unpack_ids"]
+__all__ = ["common_prefix", "le_bytes", "pack_ids", "unpack_ids"]
 
 _native: Any = native.engine()  # TOKCACHE_PURE_PYTHON=1: array below
 
@@ -45,3 +46,14 @@ def unpack_ids(data: bytes) -> list[int]:
     if sys.byteorder != "little":  # pragma: no cover
         ids.byteswap()
     return ids.tolist()
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading ids ``a`` and ``b`` share: the tokens of ``a`` a prefix cache holding
+    ``b`` reuses (before rounding down to its blocks)."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n

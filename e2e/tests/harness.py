@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tokcache.ids import common_prefix
+
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK_SIZE = 32  # CPU attention needs a multiple of 32; small blocks show small reuse differences
 # The tiny model's KV is 1 KiB per token: 128 MiB holds 131072 tokens, far more than a run
@@ -389,15 +391,6 @@ class ChatRun:
         lines.append(f"prefix cache: hits {self.hits:.0f} / queries {self.queries:.0f} tokens ({rate:.1f}%); "
                      f"exact extension {exact}/{len(self.turns) - 1} turns")
         return "\n".join(lines)
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def chat_turn(server: VllmServer, body: dict[str, Any], stream: bool) -> tuple[list[int], list[int], str, str | None]:

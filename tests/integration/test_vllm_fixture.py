@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from tokcache.engine.errors import InvalidRequest
+from tokcache.ids import common_prefix
 from tokcache.sidecar.engine.model import ModelEngine
 from tokcache.store import Store
 
@@ -26,15 +27,6 @@ FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "vllm_qwen3_chat.js
 
 def _ids(b: bytes) -> list[int]:
     return [int.from_bytes(b[i:i + 4], "little") for i in range(0, len(b), 4)]
-
-
-def _common(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 @pytest.fixture(scope="module")
@@ -61,10 +53,10 @@ def test_replay_real_vllm_chat(recorded: dict[str, Any], qwen3_path: Path, shm_p
         ids = _ids(ours.ids)
         if k > 0:
             want = turns[k - 1]["prompt_token_ids"] + turns[k - 1]["output_token_ids"]
-            vllm_agree.append(_common(turn["prompt_token_ids"], want) / len(want))
+            vllm_agree.append(common_prefix(turn["prompt_token_ids"], want) / len(want))
             if prev is not None:
                 expected = prev[0] + prev[1]
-                ours_agree.append(_common(ids, expected) / len(expected))
+                ours_agree.append(common_prefix(ids, expected) / len(expected))
         gen = turn["output_token_ids"]
         try:
             res = engine.record_output(prompt_text=text, prompt_ids=ids, output_text=turn["output_text"],

@@ -1,4 +1,5 @@
-"""tokcache.ids: the packed-u32 format, its C packer checked against ``array`` (the reference)."""
+"""tokcache.ids: the packed-u32 format, its C packer checked against ``array`` (the reference);
+common_prefix."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tokcache import ids as ids_mod
-from tokcache.ids import pack_ids, unpack_ids
+from tokcache.ids import common_prefix, pack_ids, unpack_ids
 
 U32_MAX = (1 << 32) - 1
 
@@ -44,3 +45,10 @@ def test_pack_takes_bools_and_int_subclasses_as_array_does() -> None:
 
     values = [True, Id(5), 0, U32_MAX]
     assert pack_ids(values) == array("I", values).tobytes()
+
+
+@given(st.lists(st.integers(0, 9), max_size=30), st.lists(st.integers(0, 9), max_size=30))
+def test_common_prefix_is_the_longest_shared_start(a: list[int], b: list[int]) -> None:
+    n = common_prefix(a, b)
+    assert a[:n] == b[:n] and (n == min(len(a), len(b)) or a[n] != b[n])
+    assert common_prefix(a, a + b) == len(a)
