@@ -113,7 +113,16 @@ class TokenBytes:
         got = self.join(ids)
         if got is None:
             return None
-        return got == data
+        if got == data:
+            return True
+        # Ids that spell invalid UTF-8 (a multi-byte character cut, or bytes in no valid
+        # order: what a sampled model can emit) decode as tokenizers decodes them: each
+        # maximal invalid subpart becomes U+FFFD, as the text a server returns has it.
+        try:
+            got.decode("utf-8")
+        except UnicodeDecodeError:
+            return got.decode("utf-8", "replace").encode("utf-8", "surrogatepass") == data
+        return False
 
     def offsets(self, ids: list[int]) -> list[int] | None:
         """Cumulative byte offsets after each token (None if an id has no token)."""

@@ -74,11 +74,37 @@ def test_token_bytes_equal_the_python_table_and_tokenizers_decode(vocab: tuple[T
         assert offsets is not None and len(offsets) == len(ids)
         assert offsets == [sum(len(table._table[i]) for i in ids[:k + 1]) for k in range(len(ids))]
         assert (offsets[-1] if ids else 0) == len(data)
-        assert ref.decode(ids, skip_special_tokens=False) == data.decode("utf-8", "replace"), ids
+        text = ref.decode(ids, skip_special_tokens=False)
+        assert text == data.decode("utf-8", "replace"), ids
         assert table.decodes_to(ids, data) is True
+        assert table.decodes_to(ids, text.encode("utf-8")) is True, ids  # as a server returns the text
         if data:
             assert table.decodes_to(ids, data[:-1]) is False
     assert nones >= 150
+
+
+def test_ids_that_spell_invalid_utf8_decode_to_the_text_a_server_returns(
+        vocab: tuple[TokenBytes, tokenizers.Tokenizer]) -> None:
+    """Sampled ids can cut a character or put bytes in no valid order: ``decodes_to`` then
+    answers for ``tokenizers``' text (U+FFFD per invalid subpart), and no other text."""
+    table, ref = vocab
+    single = [i for i, b in table._table.items() if len(b) == 1 and b[0] >= 0x80]
+    assert len(single) >= 64
+    rng = random.Random("invalid-utf8")
+    invalid = 0
+    for _ in range(1500):
+        ids = [rng.choice(single) if rng.random() < 0.6 else rng.randrange(len(table._present))
+               for _ in range(rng.randint(1, 12))]
+        text = ref.decode(ids, skip_special_tokens=False)
+        joined_bytes = table.join(ids)
+        if joined_bytes is None:
+            continue
+        invalid += "\ufffd" in text
+        assert table.decodes_to(ids, text.encode("utf-8")) is True, ids
+        assert table.decodes_to(ids, (text + "x").encode("utf-8")) is False, ids
+        if "\ufffd" in text:
+            assert table.decodes_to(ids, text.replace("\ufffd", "?", 1).encode("utf-8")) is False, ids
+    assert invalid >= 300
 
 
 def test_an_id_in_a_hole_of_the_vocabulary_has_no_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
