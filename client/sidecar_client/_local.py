@@ -41,7 +41,7 @@ import logging
 import math
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -90,6 +90,11 @@ READ_LOCK_S = 0.01
 # How long a record waits for the writer lock: a record is the conversation's only write,
 # and its caller (vLLM's response) waits for it.
 RECORD_LOCK_S = 0.5
+# How long a read's entries wait for the record of its output (a generation's length) before
+# the next read or record of this process stores them: a read that no record follows (a
+# /tokenize request, an aborted generation) must not keep what it learned from others for
+# long. A generation that takes longer costs one more write, never a miss.
+RECORD_DEFER_S = 10.0
 
 
 def _record(local: LocalModel, item: dict[str, Any], out_ids: list[int]) -> _models.RecordResult:
@@ -199,7 +204,9 @@ class LocalModel:
         # True once this process recorded an output (here or over RPC): its kv-stable reads
         # then leave their entries to their records.
         self._records_follow = False
-        self._lock = threading.Lock()  # guards _served and _records_follow
+        # (when, served) of reads whose entries wait for their records, oldest first.
+        self._deferred: deque[tuple[float, Served[Chunks, list[int]]]] = deque()
+        self._lock = threading.Lock()  # guards _served, _deferred and _records_follow
         self._manifest_raw = manifest_raw
         self._words = reader._words  # the header words: W_RETIRED is checked on every request
         self._checked = time.monotonic()
@@ -318,10 +325,14 @@ class LocalModel:
         prefix, suffix = (affixes.prefix, affixes.suffix) if add_special_tokens else ((), ())
         served = Served(text, salt, mode, add_special_tokens, result.ids, result.full, result.n, write, prefix, suffix)
         key = _served_key(text, salt)
+        now = time.monotonic()
         with self._lock:
             old = self._served.pop(key, None)
             self._served[key] = served
             out = self._served.popitem(last=False)[1] if len(self._served) > SERVED_MAX else None
+            if defer and write is not None:
+                self._deferred.append((now, served))
+        self._store_overdue(now)
         for gone in (old, out):
             if (gone is not None and gone is not served and gone.write is not None
                     and gone.write.decision.stored is None):
@@ -358,6 +369,18 @@ class LocalModel:
             self.stats.writes["failed"] += 1
             return
         self.stats.writes["stored" if ref is not None else "refused"] += 1
+
+    def _store_overdue(self, now: float) -> None:
+        """Store the entries of reads whose records did not come within RECORD_DEFER_S."""
+        deferred = self._deferred
+        while deferred and deferred[0][0] < now - RECORD_DEFER_S:
+            with self._lock:
+                if not deferred or deferred[0][0] >= now - RECORD_DEFER_S:
+                    return
+                served = deferred.popleft()[1]
+            write = served.write
+            if write is not None and write.decision.stored is None:
+                self._store_read(write, served.text, served.salt, served.mode)
 
     def _store_failed(self, exc: StoreError, consequence: str) -> None:
         log.debug("tokcache: model %s: store error (%s): %s", self.name, consequence, exc)
@@ -396,7 +419,12 @@ class LocalModel:
                                      prompt_add_special_tokens=prompt_add_special_tokens, served=served)
         except (InvalidRequest, RequestTooLarge):
             self.stats.records["refused"] += 1
+            # The read's entries waited for this record: they are stored without it.
+            if served is not None and served.write is not None and served.write.decision.stored is None:
+                self._store_read(served.write, served.text, served.salt, served.mode)
             raise
+        finally:
+            self._store_overdue(time.monotonic())
         self.stats.records["recorded"] += 1
         if result.prompt == "served" and served is not None and served.write is not None:
             self.stats.writes["for_record"] += 1

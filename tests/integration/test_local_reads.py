@@ -715,6 +715,39 @@ def test_a_record_whose_writer_lock_stays_busy_gives_up_within_record_lock_s(
     assert took < RECORD_LOCK_S + 0.5, took
 
 
+def test_a_read_whose_record_does_not_come_is_stored_without_it(
+        sidecar: tuple[SidecarProcess, int], qwen3_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a process that records its outputs, a read's entries wait for the record of its
+    output. A read whose record is refused stores them at once; one whose record never comes
+    (a /tokenize request) is stored by this process's next read once RECORD_DEFER_S passed."""
+    from sidecar_client import _local
+
+    proc, _ = sidecar
+    ref = tokenizers.Tokenizer.from_file(str(qwen3_path / "tokenizer.json"))
+    filler = " ".join(f"entry{i}" for i in range(1500))
+    refused, alone = (f"<|im_start|>user\n{name} {filler}<|im_end|>\n<|im_start|>assistant\n"
+                      for name in ("refused", "alone"))
+    with SidecarClient(proc.address) as c:
+        _records_here(c, ref)
+        local = _opened(c)
+        got = c.tokenize("qwen3", text=refused, add_special_tokens=False)
+        assert not local.reader.probe(l0_key(refused))  # left to its record
+        with pytest.raises(InvalidArgumentError) as err:
+            c.record_output("qwen3", prompt_text=refused, prompt_token_ids=got.token_ids, output_text="Hello.",
+                            output_token_ids=ref.encode("Goodbye.", add_special_tokens=False).ids)
+        assert err.value.field == "output_token_ids"
+        assert local.reader.probe(l0_key(refused))
+
+        c.tokenize("qwen3", text=alone, add_special_tokens=False)
+        c.tokenize("qwen3", text="a short read", add_special_tokens=False)
+        assert not local.reader.probe(l0_key(alone))  # its record may still come
+        monkeypatch.setattr(_local, "RECORD_DEFER_S", 0.0)
+        c.tokenize("qwen3", text="another short read", add_special_tokens=False)
+        assert local.reader.probe(l0_key(alone))
+        stats = c.stats()["writes"]
+        assert stats["deferred"] >= 2 and stats["stored"] >= 2, stats
+
+
 @contextlib.contextmanager
 def _writer_lock_held(store: Any, timeout: float = 5.0) -> Iterator[None]:
     """``store``'s writer lock, taken by this thread until the block ends (or ``timeout``)."""
