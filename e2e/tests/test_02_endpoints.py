@@ -47,7 +47,7 @@ def test_completions_text_prompt_goes_through_the_sidecar(plugin: VllmServer, si
 
 def test_tokenize_endpoint_goes_through_the_sidecar(plugin: VllmServer, sidecar: Sidecar) -> None:
     # Over 4 KiB each: the plugin stores what a read learned once its uncached tail is that
-    # long (TOKCACHE_MIN_WRITE_BYTES), so the sidecar then has these texts as L0 entries.
+    # long (the client's MIN_WRITE_BYTES), so the sidecar then has these texts as L0 entries.
     filler = " ".join(f"word{i}" for i in range(800))
     text = f"Tokenize me, {uuid.uuid4().hex[:8]}:\n\n  spaced   out {filler}"
     messages = [{"role": "user", "content": f"Hello there {uuid.uuid4().hex[:8]} {filler}"}]

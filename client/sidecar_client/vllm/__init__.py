@@ -23,7 +23,8 @@ tokcache is bypassed.
 Configuration (environment, read once per process by the renderer):
 ``TOKCACHE_ADDRESS``, ``TOKCACHE_MODEL``, ``TOKCACHE_TIMEOUT_MS``,
 ``TOKCACHE_BREAKER_FAILURES``, ``TOKCACHE_BREAKER_RESET_S``,
-``TOKCACHE_RECORD_QUEUE``, ``TOKCACHE_DISABLE``. See ``docs/vllm.md``.
+``TOKCACHE_RECORD_WAIT_MS``, ``TOKCACHE_ZERO_RPC``, ``TOKCACHE_OBSERVE_ONLY``,
+``TOKCACHE_DISABLE`` (``_config.ENV``). See ``docs/configuration.md``.
 
 Everything fails open: a slow, dead or mismatched sidecar means vLLM
 tokenizes in-process, as without the plugin.

@@ -22,11 +22,7 @@ DEFAULT_ADDRESS = "unix:///run/tokcache/tokcache.sock"
 DEFAULT_TIMEOUT_MS = 200.0
 DEFAULT_BREAKER_FAILURES = 5
 DEFAULT_BREAKER_RESET_S = 5.0
-DEFAULT_RECORD_QUEUE = 1024
 DEFAULT_RECORD_WAIT_MS = 1000.0
-# Lower than the client's (sidecar_client._local.MIN_WRITE_BYTES): not measured for vLLM's
-# process, whose finished responses store their prompts anyway (RecordOutput).
-DEFAULT_MIN_WRITE_BYTES = 4096
 
 # field -> environment variable (the only place these names appear)
 ENV: dict[str, str] = {
@@ -35,10 +31,8 @@ ENV: dict[str, str] = {
     "timeout_ms": "TOKCACHE_TIMEOUT_MS",
     "breaker_failures": "TOKCACHE_BREAKER_FAILURES",
     "breaker_reset_s": "TOKCACHE_BREAKER_RESET_S",
-    "record_queue": "TOKCACHE_RECORD_QUEUE",
     "record_wait_ms": "TOKCACHE_RECORD_WAIT_MS",
     "zero_rpc": "TOKCACHE_ZERO_RPC",
-    "min_write_bytes": "TOKCACHE_MIN_WRITE_BYTES",
     "observe_only": "TOKCACHE_OBSERVE_ONLY",
     "disable": "TOKCACHE_DISABLE",
 }
@@ -66,9 +60,6 @@ class PluginConfig:
     the next turn may then miss the record in another API server process).
     ``zero_rpc``: tokenize in vLLM's process from the sidecar's shared memory when its
     segment can be mapped here (default; ``TOKCACHE_ZERO_RPC=0`` sends every prompt over RPC).
-    ``min_write_bytes``: a prompt read in vLLM's process whose uncached tail is shorter stores
-    nothing in the shared cache (the next turn re-encodes nothing of it in this process; a
-    finished response's record stores the prompt anyway).
     ``observe_only``: never use the sidecar; vLLM tokenizes every prompt and the plugin only
     times it (``tokcache_vllm_tokenize_seconds{path="vllm"}``): a baseline measured the
     same way, e.g. with and without ``VLLM_USE_FASTOKENS=1``.
@@ -79,12 +70,10 @@ class PluginConfig:
     timeout_s: float = DEFAULT_TIMEOUT_MS / 1000.0
     breaker_failures: int = DEFAULT_BREAKER_FAILURES
     breaker_reset_s: float = DEFAULT_BREAKER_RESET_S
-    record_queue: int = DEFAULT_RECORD_QUEUE
     disabled: bool = False
     record_wait_s: float = DEFAULT_RECORD_WAIT_MS / 1000.0
     zero_rpc: bool = True
     observe_only: bool = False
-    min_write_bytes: int = DEFAULT_MIN_WRITE_BYTES
 
     def __post_init__(self) -> None:
         if not self.address:
@@ -99,10 +88,6 @@ class PluginConfig:
             raise PluginConfigError(ENV["breaker_reset_s"], f"must be > 0, got {self.breaker_reset_s:g}")
         if not self.record_wait_s >= 0:
             raise PluginConfigError(ENV["record_wait_ms"], f"must be >= 0, got {self.record_wait_s * 1000:g} ms")
-        if self.record_queue < 1:
-            raise PluginConfigError(ENV["record_queue"], f"must be >= 1, got {self.record_queue}")
-        if self.min_write_bytes < 0:
-            raise PluginConfigError(ENV["min_write_bytes"], f"must be >= 0, got {self.min_write_bytes}")
 
     @property
     def record_timeout_s(self) -> float:
@@ -125,12 +110,10 @@ class PluginConfig:
             timeout_s=_float(ENV["timeout_ms"], get("timeout_ms"), DEFAULT_TIMEOUT_MS) / 1000.0,
             breaker_failures=_int(ENV["breaker_failures"], get("breaker_failures"), DEFAULT_BREAKER_FAILURES),
             breaker_reset_s=_float(ENV["breaker_reset_s"], get("breaker_reset_s"), DEFAULT_BREAKER_RESET_S),
-            record_queue=_int(ENV["record_queue"], get("record_queue"), DEFAULT_RECORD_QUEUE),
             disabled=_flag(ENV["disable"], env.get(ENV["disable"], "")),
             record_wait_s=_float(ENV["record_wait_ms"], get("record_wait_ms"), DEFAULT_RECORD_WAIT_MS) / 1000.0,
             zero_rpc=_flag(ENV["zero_rpc"], env.get(ENV["zero_rpc"], "1")),
             observe_only=_flag(ENV["observe_only"], env.get(ENV["observe_only"], "")),
-            min_write_bytes=_int(ENV["min_write_bytes"], get("min_write_bytes"), DEFAULT_MIN_WRITE_BYTES),
         )
 
 

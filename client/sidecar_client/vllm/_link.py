@@ -161,7 +161,6 @@ class SidecarLink:
             tokenizers = {m.name: self.tokenizer_file for m in self._models} if self.tokenizer_file else {}
             self._client = AsyncSidecarClient(self.config.address, timeout=self.config.timeout_s,
                                               zero_rpc=self.config.zero_rpc, tokenizers=tokenizers,
-                                              min_write_bytes=self.config.min_write_bytes,
                                               channel_options=CHANNEL_OPTIONS[len(_core.CHANNEL_OPTIONS):])
             if self._client.local is not None:
                 self._client.local.stats.pending = self.stats.pending  # counted as plugin metrics too

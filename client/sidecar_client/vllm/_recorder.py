@@ -28,12 +28,16 @@ from typing import Any
 
 from sidecar_client.vllm._stats import PluginStats
 
-__all__ = ["DEFAULT_BATCH", "PendingRecord", "RecordQueue", "SendBatch", "TraceMetadata"]
+__all__ = ["DEFAULT_BATCH", "QUEUE_BOUND", "PendingRecord", "RecordQueue", "SendBatch", "TraceMetadata"]
 
 # Plugin loggers live under "vllm." so vLLM's logging config (handler, format, level) applies.
 log = logging.getLogger("vllm.tokcache.recorder")
 
 DEFAULT_BATCH = 64
+# Finished outputs a process keeps while its sidecar is slow: far more than the choices vLLM
+# finishes while one batch is answered. Past it a slow or dead sidecar costs records (counted
+# as dropped), never memory or a response's latency.
+QUEUE_BOUND = 1024
 
 TraceMetadata = tuple[tuple[str, str], ...]
 # send(model, records, trace metadata) -> None; raises on transport failure (counted, batch dropped)

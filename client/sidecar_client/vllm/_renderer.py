@@ -123,10 +123,9 @@ def _make_runtime(config: VllmConfig, tokenizer: Any, report: HookReport) -> Plu
     export_state(report.version, report.state)
     # The start line: a warning on a version whose hooks check out but that is not verified.
     log.log(logging.INFO if report.verified else logging.WARNING,
-            "tokcache: %s; sidecar %s, model %s, deadline %g ms, breaker %d failures / %g s, record queue %d",
+            "tokcache: %s; sidecar %s, model %s, deadline %g ms, breaker %d failures / %g s",
             report.line(), plugin_config.address, plugin_config.model or "(by tokenizer fingerprint)",
-            plugin_config.timeout_s * 1000, plugin_config.breaker_failures, plugin_config.breaker_reset_s,
-            plugin_config.record_queue)
+            plugin_config.timeout_s * 1000, plugin_config.breaker_failures, plugin_config.breaker_reset_s)
     if plugin_config.observe_only:
         log.info("tokcache: observe-only (TOKCACHE_OBSERVE_ONLY): vLLM tokenizes every prompt, the plugin times it")
     else:

@@ -26,7 +26,7 @@ from sidecar_client.vllm._outputs import (
     held_back_tokens,
     skip_reason,
 )
-from sidecar_client.vllm._recorder import PendingRecord, RecordQueue
+from sidecar_client.vllm._recorder import QUEUE_BOUND, PendingRecord, RecordQueue
 from sidecar_client.vllm._stats import PluginStats
 from sidecar_client.vllm._trace import trace_metadata
 
@@ -47,7 +47,7 @@ class PluginRuntime:
         self.link = SidecarLink(config, fingerprint, self.stats,
                                 tokenizer_file=str(tokenizer_file) if tokenizer_file else "")
         self.served = ServedPrompts()
-        self.recorder = RecordQueue(config.record_queue, self.link.record, self.stats)
+        self.recorder = RecordQueue(QUEUE_BOUND, self.link.record, self.stats)
 
     def fallback(self, reason: str) -> None:
         """Count a prompt vLLM tokenizes itself."""
