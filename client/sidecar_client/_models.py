@@ -50,10 +50,9 @@ def local_result(token_ids: list[int], fingerprint: str, backend: str, source: s
     """``TokenizeResult(token_ids, fingerprint, CacheDecision(source, ...), backend, None, "local")``:
     equal to it, as frozen, made without the dataclasses' ``__init__``. A frozen dataclass sets
     each field through ``object.__setattr__`` in a Python frame of its own, and an in-process
-    read made two (13 fields) for every request: ~1.6 µs warm against ~0.7 here; the step that
-    counts and builds the result cost a cold read 16.4 µs p50 before, 13.6 after
-    (bench/multiturn_latency.py with timers). Their ``__dict__`` is filled instead (neither class
-    has ``__slots__`` nor a ``__post_init__``; a test checks the fields stay these)."""
+    read makes two (13 fields) for every request: ~1.6 µs warm against ~0.7 here, and several
+    times that when the caches are cold between requests. Their ``__dict__`` is filled instead
+    (neither class has ``__slots__`` nor a ``__post_init__``; a test checks the fields stay these)."""
     decision = _new(CacheDecision)
     decision.__dict__.update(source=source, cached_tokens=cached_tokens, cached_chars=cached_chars,
                              encoded_chars=encoded_chars, ar_spliced_tokens=ar_spliced_tokens, boundaries=boundaries,

@@ -95,9 +95,9 @@ class ModelEngine:
         self._store_failures = 0  # failed store writes, and when one was last logged (monotonic)
         self._store_failure_logged = 0.0
         # Reads leave their bookkeeping (filing the scan and encoding the next turn extends,
-        # making the write) for after the reply, as a client's reads do: Outcome.commit, or
-        # the next read before its lookup (it extends what they file), in the order read.
-        # ~45 µs of a 57 KB chat's turn (one process, native path).
+        # making the write) for after the reply: Outcome.commit, or the next read before its
+        # lookup (it extends what they file), in the order read. That is ~45 µs of a 57 KB
+        # chat's turn on the native path, off the RPC's latency.
         self.lookup = Lookup(model, store, self.memo, self.limits, defer=True)
         self._unsettled: deque[Outcome] = deque()
         self._settle_lock = threading.Lock()  # guards _unsettled: settled one at a time, in order

@@ -257,13 +257,12 @@ _MEMO_PROBES = 48  # anchors tried: a base up to ~192K units shorter is found
 _MEMO_PER_KEY = 32  # texts filed under one key (many conversations' first turns may share one)
 _MEMO_CHECK = 256  # units before a candidate's end compared before the whole of it
 # The latest texts, tried before any anchor: one per conversation in flight. An API server
-# serves dozens at once, each turn of one between turns of others. With 4, a process serving
-# 16 conversations turn about found 3197 of 5121 texts' bases by anchor, on the Python path
-# past the native one (bench/concurrency.py --conversations 128 --in-flight 16, P = 1: CPU per
-# request 179-192 µs; with 64, 129 of 5121 and 138-141 µs, fastokens+segment cache 119-125),
-# and its scan memo held 3x the texts (32 bench conversations 16 at a time: 189 texts, 52 MB,
-# against 32 texts, 17 MB, as with one at a time). A latest text the new one does not extend
-# costs the native path ~40 ns (its last character compared), the Python path ~0.3 µs.
+# serves dozens at once, each turn of one between turns of others. With fewer than it serves,
+# most texts find their base only by anchor, which the native fast path never probes (with 4,
+# a process serving 16 conversations turn about found ~60% of its texts' bases that way, on the
+# Python path), and the scan memo holds several texts per conversation instead of one (~3x
+# the memory). A latest text the new one does not extend costs the native path ~40 ns (its
+# last character compared), the Python path ~0.3 µs.
 _MEMO_RECENT = 64
 # A text that extends none of the latest may extend the text its conversation's line of turns
 # started from (``Scan.root``): a template that rewrites history when the user speaks (Qwen3
@@ -389,8 +388,7 @@ class BoundaryScanner:
         self._recent: list[Scan] = []
         # Each recent text's ``root`` (None: it is one), in step with _recent: what bases() answers
         # is made from them without reading each recent Scan again (cold at the next request of a
-        # busy process: the comprehension over 64 of them cost ~5 µs of each, one client process
-        # replaying bench/concurrency.py's 57 KB chats, cProfile).
+        # busy process: the comprehension over 64 of them cost ~5 µs of each).
         self._recent_roots: list[Scan | None] = []
         self._recent_max = recent
         # The latest texts that extended none of the latest ones (see _MEMO_ROOTS), newest
@@ -399,7 +397,7 @@ class BoundaryScanner:
         self._root_bytes = 0
         # What bases() answers, made again whenever those two change (_keep, after the reply)
         # rather than on every request: the list copies and the comprehension cost a cold
-        # request ~6 µs (bench/multiturn_latency.py, p50). Replaced whole, never changed.
+        # request ~6 µs. Replaced whole, never changed.
         self._bases: tuple[list[Scan], int] = ([], 0)
         self._memo_bytes = memo_bytes
         self._bytes = 0
@@ -654,7 +652,7 @@ class BoundaryScanner:
         starts a line of its own has rewritten that line's history (Qwen3 drops the reasoning of
         the turns since the user's previous message), and its conversation goes on from the new
         text. Kept, the old line's latest text (and, through it, the root) stayed in the memo until
-        its budget evicted it: ~16 texts per 40-turn bench conversation instead of ~3, the memory a
+        its budget evicted it: ~16 texts per 40-turn conversation instead of ~3, the memory a
         fresh process grows by (on a VM that backs memory lazily, a host fault per new page; see
         bench/first_touch.py). Only a speed-up is lost if that text comes back (a retried turn: it is
         scanned again, or from a shared prefix), never ids. Lock held."""

@@ -82,8 +82,8 @@ class _HfStyleEncoder:
         self.tokenizer.no_truncation()
         self.tokenizer.no_padding()
         # Native encoders initialise parts of themselves on first use (fastokens: 50-300 ms
-        # on a busy node for the first chat text, measured with 4 client processes on 2
-        # cores): pay it here, at load, not in the first request a process serves.
+        # for the first chat text on a busy node): pay it here, at load, not in the first
+        # request a process serves.
         first = self.tokenizer.encode(_WARM_UP, add_special_tokens=False).ids
         self.shared_ints = _same_objects(first, self.tokenizer.encode(_WARM_UP, add_special_tokens=False).ids)
 
@@ -98,7 +98,7 @@ class _HfStyleEncoder:
     def encode_pieces(self, texts: Sequence[str]) -> tuple[list[int], list[int]]:
         # One sequential call per piece, not the batch APIs: those run on a thread pool
         # whose workers sleep between requests, and waking them costs 30-1500 µs on a
-        # busy node (measured here), against ~5 µs for the handful of short pieces of a
+        # busy node, against ~5 µs for the handful of short pieces of a
         # conversation's new tail.
         enc = self.tokenizer.encode
         out: list[int] = []
@@ -143,7 +143,7 @@ class FastokensEncoder(_HfStyleEncoder):
         # a user of vLLM's VLLM_USE_FASTOKENS=1 sets). Off here, whatever the environment: the cache in front
         # of this encoder already holds every text seen, so the segments it is asked for are new
         # by construction, and caching them made a 1.5 KB tail's encode 1.5-1.9x as slow and grew
-        # every process's memory by ~1.5 KB per call up to the variable's MiB (measured, warm).
+        # every process's memory by ~1.5 KB per call up to the variable's MiB.
         if hasattr(tokenizer, "enable_segment_cache"):
             tokenizer.enable_segment_cache(0)
         self._setup(tokenizer)
