@@ -50,7 +50,7 @@ from typing import Any, NamedTuple
 from sidecar_client import _models, _validate
 from sidecar_client._fingerprint import find_tokenizer_json
 from sidecar_client._models import TokenizeResult, local_result
-from sidecar_client._telemetry import trace_local
+from sidecar_client._telemetry import trace_local, trace_local_record
 from sidecar_client.errors import InvalidArgumentError, ResourceExhaustedError
 from tokcache.engine.errors import InvalidRequest, RequestTooLarge
 from tokcache.engine.ids import LISTS, Chunks
@@ -732,29 +732,36 @@ class LocalPaths:
 
     def record(self, model: str, *, prompt_text: Any, prompt_token_ids: Any, output_text: Any,  # noqa: ANN401
                output_token_ids: Any, finish_reason: Any, stop_reason: Any, cache_salt: Any,  # noqa: ANN401
-               prompt_add_special_tokens: Any) -> _models.RecordResult | None:  # noqa: ANN401
+               prompt_add_special_tokens: Any,  # noqa: ANN401
+               trace: Sequence[tuple[str, str]] = ()) -> _models.RecordResult | None:
         """``record_output`` in this process: the result, or None when ``model``'s segment is not
         writable here (the caller sends RecordOutput; noted, see :meth:`note_record`). Checks
         the arguments first and raises the client's typed errors, as the RPC would: a refusal
-        is InvalidArgumentError naming the field."""
+        is InvalidArgumentError naming the field. A ``tokcache.RecordOutput`` span, a child of
+        the W3C context in ``trace`` (else the current one), shows it when tracing is on."""
         _validate.model_name(model)
         local = self.writes_directly(model)
         if local is None:
             self.note_record(model)
             return None
+        t0 = time.perf_counter_ns()
         item = {"prompt_text": prompt_text, "prompt_token_ids": prompt_token_ids, "output_text": output_text,
                 "output_token_ids": output_token_ids, "finish_reason": finish_reason, "stop_reason": stop_reason,
                 "cache_salt": cache_salt, "prompt_add_special_tokens": prompt_add_special_tokens}
         out_ids = _validate.record_here(model, **item)
         try:
-            return _record(local, item, out_ids)
+            done = _record(local, item, out_ids)
         except InvalidRequest as exc:
+            trace_local_record(model, local.fingerprint, "refused", 0, 0, t0, trace)
             # A bad prompt is named first, as the RPC path's checks name it (checked in full
             # only now: a served prompt's ids were compared with what was served).
             _validate.record_prompt(prompt_text, prompt_token_ids)
             raise InvalidArgumentError(str(exc), field=exc.field) from exc
         except RequestTooLarge as exc:
+            trace_local_record(model, local.fingerprint, "refused", 0, 0, t0, trace)
             raise ResourceExhaustedError(str(exc)) from exc
+        trace_local_record(model, local.fingerprint, "recorded", done.recorded_tokens, done.entries, t0, trace)
+        return done
 
     def record_many(self, model: str, records: Any) -> _models.RecordSummary | None:  # noqa: ANN401
         """``record_outputs`` in this process, or None (see :meth:`record`). Every item's

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from sidecar_client._models import TokenizeResult
 
-__all__ = ["trace_local"]
+__all__ = ["trace_local", "trace_local_record"]
 
 try:
     from opentelemetry import trace as _otel_trace
@@ -100,6 +100,31 @@ def trace_local(model: str, fingerprint: str, result: TokenizeResult, mode: str,
                 "tokcache.boundary_count": d.boundaries, "tokcache.salt_present": salted,
                 "tokcache.backend": result.backend, "tokcache.num_tokens": len(result.token_ids),
                 "tokcache.mode": mode, "tokcache.served_by": "local",
+            })
+        span.end(end_time=end)
+    except Exception:  # telemetry never fails a request
+        return
+
+
+def trace_local_record(model: str, fingerprint: str, result: str, recorded_tokens: int, entries: int,
+                       start_ns: int, carrier: Sequence[tuple[str, str]] = ()) -> None:
+    """Record one in-process RecordOutput as a span (``result``: "recorded" or "refused"),
+    a child of the W3C context in ``carrier`` or else the current one. Never raises."""
+    if _otel_trace is None:
+        return
+    try:
+        tracer = _current_tracer()
+        if tracer is None:
+            return
+        context = _extract({k.lower(): v for k, v in carrier}) if carrier else None
+        elapsed = time.perf_counter_ns() - start_ns
+        end = time.time_ns()
+        span = tracer.start_span("tokcache.RecordOutput", context=context, start_time=end - elapsed)
+        if span.is_recording():
+            span.set_attributes({
+                "tokcache.model": model, "tokcache.fingerprint": fingerprint, "tokcache.result": result,
+                "tokcache.recorded_tokens": recorded_tokens, "tokcache.entries": entries,
+                "tokcache.served_by": "local",
             })
         span.end(end_time=end)
     except Exception:  # telemetry never fails a request

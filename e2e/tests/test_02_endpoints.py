@@ -7,6 +7,7 @@ the same text (a second identical request is an L0 hit).
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -45,9 +46,14 @@ def test_completions_text_prompt_goes_through_the_sidecar(plugin: VllmServer, si
            f"same text afterwards: {direct.decision.source}, {len(direct.token_ids)} ids = vLLM's prompt_token_ids")
 
 
-def test_tokenize_endpoint_goes_through_the_sidecar(plugin: VllmServer, sidecar: Sidecar) -> None:
-    # Over 4 KiB each: the plugin stores what a read learned once its uncached tail is that
-    # long (the client's MIN_WRITE_BYTES), so the sidecar then has these texts as L0 entries.
+def test_tokenize_endpoint_reads_and_fills_the_node_cache(plugin: VllmServer, sidecar: Sidecar) -> None:
+    """vLLM's /tokenize reads the node's cache in vLLM's process. No record follows such a
+    read: what it learned waits RECORD_DEFER_S for one, then the process's next read stores
+    it, and every process on the node (here the sidecar) has the texts as L0 entries."""
+    from sidecar_client._local import RECORD_DEFER_S
+
+    # Over 4 KiB each: a read stores what it learned once its uncached tail is that long (the
+    # client's MIN_WRITE_BYTES).
     filler = " ".join(f"word{i}" for i in range(800))
     text = f"Tokenize me, {uuid.uuid4().hex[:8]}:\n\n  spaced   out {filler}"
     messages = [{"role": "user", "content": f"Hello there {uuid.uuid4().hex[:8]} {filler}"}]
@@ -56,11 +62,13 @@ def test_tokenize_endpoint_goes_through_the_sidecar(plugin: VllmServer, sidecar:
     by_messages = plugin.post("/tokenize", {"model": plugin.model, "messages": messages})
     m1 = plugin.metrics()
     assert served(m1) - served(m0) == 2
+    time.sleep(RECORD_DEFER_S + 0.5)
+    plugin.post("/tokenize", {"model": plugin.model, "prompt": f"a later read {uuid.uuid4().hex[:8]}"})
     with SidecarClient(sidecar.address) as c:
         direct_text = c.tokenize("qwen3", text=text, add_special_tokens=True)
         direct_chat = c.tokenize("qwen3", messages=messages, add_generation_prompt=True)
     assert by_prompt["tokens"] == direct_text.token_ids
-    assert direct_text.decision.source == "l0"  # vLLM's /tokenize asked the sidecar for this text
+    assert direct_text.decision.source == "l0"  # stored by vLLM's process
     assert by_messages["tokens"] == direct_chat.token_ids
     assert direct_chat.decision.source == "l0"
 
@@ -145,11 +153,12 @@ def test_salted_conversation_is_exact(plugin: VllmServer, decode: Callable[[list
     assert all(t.agree == 100.0 for t in run.turns[1:]), run.table()
 
 
-def test_trace_context_reaches_the_sidecar(plugin: VllmServer, sidecar: Sidecar,
-                                           report: Callable[[str], None]) -> None:
-    """The request's W3C context reaches both halves of the work: the cache decision, made in
-    vLLM's process from shared memory (a ``tokcache.Tokenize`` span exported by the plugin,
-    OTEL_TRACES_EXPORTER=console), and the sidecar's RecordOutputs."""
+def test_trace_context_reaches_both_halves_of_the_work(plugin: VllmServer, sidecar: Sidecar,
+                                                      report: Callable[[str], None]) -> None:
+    """The request's W3C context reaches both halves of the work, both done in vLLM's process
+    from shared memory (spans exported by the plugin, OTEL_TRACES_EXPORTER=console): the cache
+    decision (``tokcache.Tokenize``) and the record of the output (``tokcache.RecordOutput``).
+    The sidecar sees neither: no RPC."""
     trace_id, parent = uuid.uuid4().hex, uuid.uuid4().hex[:16]
     body = {"model": plugin.model, "messages": [{"role": "user", "content": f"trace me {trace_id[:6]}"}],
             "max_tokens": 4, "logit_bias": BANNED}
@@ -163,15 +172,19 @@ def test_trace_context_reaches_the_sidecar(plugin: VllmServer, sidecar: Sidecar,
                 found[s["name"].rsplit("/", 1)[-1]] = s
         return found
 
-    assert wait_until(lambda: "RecordOutputs" in spans(sidecar.log_tail(400_000)), 10), sidecar.log_tail(3000)
-    assert wait_until(lambda: "tokcache.Tokenize" in spans(plugin.log_text()), 10), plugin.log_tail(3000)
-    local = spans(plugin.log_text())["tokcache.Tokenize"]
-    assert local["parent_id"] == f"0x{parent}"  # from the HTTP request, via the ASGI middleware
-    assert local["attributes"]["tokcache.served_by"] == "local"
-    assert local["attributes"]["tokcache.source"] in ("miss", "l0", "l1", "ar")
+    assert wait_until(lambda: {"tokcache.Tokenize", "tokcache.RecordOutput"} <= set(spans(plugin.log_text())), 10), \
+        plugin.log_tail(3000)
+    mine = spans(plugin.log_text())
+    read, record = mine["tokcache.Tokenize"], mine["tokcache.RecordOutput"]
+    assert read["parent_id"] == f"0x{parent}"  # from the HTTP request, via the ASGI middleware
+    assert read["attributes"]["tokcache.served_by"] == "local"
+    assert read["attributes"]["tokcache.source"] in ("miss", "l0", "l1", "ar")
+    assert record["parent_id"] == f"0x{parent}"  # from AsyncLLM.generate's trace_headers
+    assert record["attributes"]["tokcache.served_by"] == "local"
+    assert record["attributes"]["tokcache.result"] in ("recorded", "refused")
     got = spans(sidecar.log_tail(400_000))
-    assert "Tokenize" not in got  # decided in vLLM's process: no RPC
-    assert got["RecordOutputs"]["parent_id"] == f"0x{parent}"  # from AsyncLLM.generate's trace_headers
-    report(f"trace context: tokcache.Tokenize span (decided in vLLM's process, source "
-           f"{local['attributes']['tokcache.source']}) and the sidecar's RecordOutputs span in trace {trace_id}, "
-           f"parent {parent}")
+    assert not {"Tokenize", "RecordOutput", "RecordOutputs"} & set(got)
+    report(f"trace context: tokcache.Tokenize (source {read['attributes']['tokcache.source']}) and "
+           f"tokcache.RecordOutput ({record['attributes']['tokcache.result']}, "
+           f"{record['attributes']['tokcache.recorded_tokens']} ids) spans in vLLM's process, trace {trace_id}, "
+           f"parent {parent}; none in the sidecar")

@@ -1,8 +1,11 @@
-"""Fail open: a dead or hung sidecar never fails a request; the path comes back with it.
+"""Fail open: a dead or hung sidecar never fails a request, nor slows one.
 
-Runs after the other plugin tests (it kills and restarts the shared sidecar).
-The plugin server runs with a 2 s deadline (harness.DEADLINE_S), 3 failures
-to open the breaker, and a 1 s breaker reset (conftest.PLUGIN_ENV).
+vLLM's process reads prompts and records outputs in the node's shared memory itself, so
+neither needs the sidecar while its segment stays mapped; the sidecar that comes back
+re-attaches the same memory. Runs after the other plugin tests (it kills and restarts the
+shared sidecar). The plugin server runs with a 2 s deadline (harness.DEADLINE_S), 3 failures
+to open the breaker, and a 1 s breaker reset (conftest.PLUGIN_ENV), for what still goes over
+RPC (a process that cannot map the segment: tests/vllm).
 """
 
 from __future__ import annotations
@@ -13,16 +16,25 @@ import time
 import uuid
 from collections.abc import Callable
 
-from e2e.tests.harness import BANNED, DEADLINE_S, Sidecar, VllmServer, run_chat, wait_until
+from e2e.tests.harness import BANNED, Sidecar, VllmServer, run_chat, wait_until
 from sidecar_client import SidecarClient
 
-TOK = "tokcache_vllm_tokenize_total"
 BREAKER = "tokcache_vllm_breaker_state"  # 0 closed, 1 half-open, 2 open
+LOCAL = 'tokcache_vllm_served_total{path="local"}'
 
 
 def _fallbacks(m: dict[str, float]) -> dict[str, float]:
     prefix = 'tokcache_vllm_fallback_total{reason="'
     return {k[len(prefix):-2]: v for k, v in m.items() if k.startswith(prefix)}
+
+
+def _records(m: dict[str, float]) -> dict[str, float]:
+    prefix = 'tokcache_vllm_records_total{result="'
+    return {k[len(prefix):-2]: v for k, v in m.items() if k.startswith(prefix)}
+
+
+def _moved(before: dict[str, float], after: dict[str, float]) -> dict[str, int]:
+    return {k: int(v - before.get(k, 0)) for k, v in after.items() if v != before.get(k, 0)}
 
 
 def _complete(server: VllmServer, text: str) -> tuple[float, dict[str, object]]:
@@ -32,20 +44,24 @@ def _complete(server: VllmServer, text: str) -> tuple[float, dict[str, object]]:
     return time.monotonic() - t0, resp
 
 
-def _wait_sidecar_path_back(server: VllmServer, timeout: float = 30.0) -> bool:
-    """Send small requests until one is tokenized by the sidecar again (the breaker's probe)."""
-    start = server.metrics().get(TOK, 0.0)
-
-    def back() -> bool:
-        server.post("/tokenize", {"model": server.model, "prompt": f"probe {uuid.uuid4().hex[:6]}"})
-        return server.metrics().get(TOK, 0.0) > start
-
-    return wait_until(back, timeout, interval=0.3)
+def _answers(sidecar: Sidecar) -> bool:
+    """The sidecar answers an RPC again (a fresh client, over gRPC only)."""
+    def ok() -> bool:
+        try:
+            with SidecarClient(sidecar.address, zero_rpc=False) as c:
+                return bool(c.list_models(timeout=2.0))
+        except Exception:
+            return False
+    return wait_until(ok, 30, interval=0.3)
 
 
 def test_sidecar_killed_mid_run_then_restarted(plugin: VllmServer, sidecar: Sidecar,
                                                decode: Callable[[list[int]], str],
                                                report: Callable[[str], None]) -> None:
+    """kill -9 before turn 3, restart before turn 5: every request succeeds at its normal
+    speed, reads and records stay in vLLM's process (no fallback, the breaker stays closed),
+    every turn extends the previous prompt + output exactly, and the restarted sidecar
+    re-attaches the memory warm."""
     warm_text = f"Remember me across a sidecar restart {uuid.uuid4().hex[:8]}"
     plugin.post("/v1/completions", {"model": plugin.model, "prompt": warm_text, "max_tokens": 2})
     events: list[str] = []
@@ -57,47 +73,44 @@ def test_sidecar_killed_mid_run_then_restarted(plugin: VllmServer, sidecar: Side
             sidecar.kill()
             latencies = [_complete(plugin, f"while the sidecar is dead {i}")[0] for i in range(5)]
             after = plugin.metrics()
-            outage.update(max_latency=max(latencies), breaker=after.get(BREAKER, -1))
-            fb = {k: v - _fallbacks(before).get(k, 0) for k, v in _fallbacks(after).items()}
+            fb, rec = _moved(_fallbacks(before), _fallbacks(after)), _moved(_records(before), _records(after))
+            outage.update(max_latency=max(latencies), breaker=after.get(BREAKER, -1),
+                          local=after.get(LOCAL, 0) - before.get(LOCAL, 0), fallbacks=sum(fb.values()),
+                          handled=rec.get("recorded", 0) + rec.get("refused", 0))
             events.append(f"sidecar killed before turn 3; 5 completions all OK (max {max(latencies):.2f}s); "
-                          f"fallbacks {({k: int(v) for k, v in fb.items() if v})}; breaker state {after[BREAKER]:.0f}")
+                          f"prompts read in vLLM's process {outage['local']:.0f}/5, fallbacks {fb}, records {rec}; "
+                          f"breaker state {after[BREAKER]:.0f}")
         if turn == 5:  # restart on the same socket and shm prefix
             t0 = time.monotonic()
             sidecar.start()
-            back = _wait_sidecar_path_back(plugin)
-            events.append(f"sidecar restarted before turn 5; sidecar path back: {back} after "
+            back = _answers(sidecar)
+            events.append(f"sidecar restarted before turn 5; answering again: {back} after "
                           f"{time.monotonic() - t0:.1f}s; breaker state {plugin.metrics().get(BREAKER, -1):.0f}")
 
     run = run_chat(plugin, "plugin: sidecar killed before turn 3, restarted before turn 5", stream=True,
                    decode=decode, seed=21, between=between)
     report(run.table() + "\n" + "\n".join(events))
 
-    # Every request succeeded (run_chat raises otherwise); during the outage the breaker opened.
-    assert outage["breaker"] == 2
+    # Every request succeeded (run_chat raises otherwise), read and recorded in vLLM's process.
+    assert outage["local"] == 5 and outage["fallbacks"] == 0 and outage["handled"] == 5, outage
+    assert outage["breaker"] == 0 and plugin.metrics().get(BREAKER, -1) == 0
     assert outage["max_latency"] < 15
     assert "re-attached warm" in sidecar.log_tail(10**9)
-    assert plugin.metrics().get(BREAKER, -1) == 0
-    log = plugin.log_text()
-    assert "circuit breaker open" in log and "circuit breaker closed" in log
     # The restarted sidecar re-attached the shared-memory cache: what was cached before is a hit.
     with SidecarClient(sidecar.address) as c:
         assert c.tokenize("qwen3", text=warm_text, add_special_tokens=True).decision.source == "l0"
-    # Turns 1-2 were recorded before the kill; turns 3-4 were tokenized by vLLM itself and not
-    # recorded; turn 5 is tokenized by the sidecar again and recorded, so turn 6 is exact again.
-    assert run.turns[1].agree == 100.0
-    assert run.turns[5].agree == 100.0, run.table()
+    # Each turn's output was recorded in vLLM's process, the sidecar dead or not.
+    assert all(t.agree == 100.0 for t in run.turns[1:]), run.table()
 
 
-def test_hung_sidecar_costs_at_most_the_deadline(plugin: VllmServer, sidecar: Sidecar,
-                                                 report: Callable[[str], None]) -> None:
-    """A hung sidecar (SIGSTOP): prompts are still tokenized in vLLM's process (no RPC to
-    wait for); a finishing response waits for its record at most TOKCACHE_RECORD_WAIT_MS,
-    and after 3 such timeouts the breaker opens and responses stop waiting."""
+def test_hung_sidecar_costs_nothing(plugin: VllmServer, sidecar: Sidecar, report: Callable[[str], None]) -> None:
+    """A hung sidecar (SIGSTOP: it accepts connections, never answers): prompts are read and
+    outputs recorded in vLLM's process, so no response waits for it."""
     assert sidecar.proc is not None and sidecar.proc.poll() is None
     _complete(plugin, "warm up")
-    fast, _ = _complete(plugin, "before the hang")
+    fast = min(_complete(plugin, f"before the hang {i}")[0] for i in range(3))
     before = plugin.metrics()
-    os.kill(sidecar.proc.pid, signal.SIGSTOP)  # accepts connections, never answers
+    os.kill(sidecar.proc.pid, signal.SIGSTOP)
     try:
         latencies = [_complete(plugin, f"while the sidecar hangs {i}")[0] for i in range(6)]
         during = plugin.metrics()
@@ -105,15 +118,13 @@ def test_hung_sidecar_costs_at_most_the_deadline(plugin: VllmServer, sidecar: Si
         os.kill(sidecar.proc.pid, signal.SIGCONT)
     timeouts = (during.get("tokcache_vllm_response_wait_timeouts_total", 0)
                 - before.get("tokcache_vllm_response_wait_timeouts_total", 0))
-    local = (during.get('tokcache_vllm_served_total{path="local"}', 0)
-             - before.get('tokcache_vllm_served_total{path="local"}', 0))
+    local = during.get(LOCAL, 0) - before.get(LOCAL, 0)
+    rec = _moved(_records(before), _records(during))
     report(f"hung sidecar (SIGSTOP): completion latencies {[round(x, 2) for x in latencies]}s "
-           f"(normal {fast:.2f}s, record wait {DEADLINE_S:g}s); {local:.0f} of 6 prompts tokenized in vLLM's "
-           f"process meanwhile; {timeouts:.0f} record-wait timeouts, then breaker open")
+           f"(normal {fast:.2f}s); {local:.0f} of 6 prompts read and records {rec} in vLLM's process meanwhile; "
+           f"{timeouts:.0f} record-wait timeouts; breaker state {during.get(BREAKER, -1):.0f}")
     assert local == 6  # shared memory needs no sidecar to read
-    # TOKCACHE_BREAKER_FAILURES=3, then responses stop waiting (a half-open probe after
-    # TOKCACHE_BREAKER_RESET_S=1 may wait once more).
-    assert 3 <= timeouts <= 4
-    assert max(latencies) < fast + DEADLINE_S + 3.0  # one record wait, plus slack for a loaded 2-CPU machine
-    assert min(latencies[3:]) < fast + 0.5  # breaker open: no wait at all
-    assert _wait_sidecar_path_back(plugin)
+    assert rec.get("recorded", 0) + rec.get("refused", 0) == 6 and "queued" not in rec, rec
+    assert timeouts == 0 and during.get(BREAKER, -1) == 0
+    assert max(latencies) < fast + 1.0  # slack for a loaded 2-CPU machine; a record wait was 2 s
+    assert _answers(sidecar)

@@ -370,7 +370,7 @@ class SidecarLink:
             log.exception("tokcache: could not mark records as pending")
             return 0
 
-    def record_here(self, model: str, record: Mapping[str, Any]) -> bool:
+    def record_here(self, model: str, record: Mapping[str, Any], trace: Sequence[tuple[str, str]] = ()) -> bool:
         """Verify and store one record in this process, from and into the node's shared memory
         (no RPC): True when it was handled here (recorded or refused, counted), False when this
         process cannot write the segment (the caller sends it to the sidecar). Never raises."""
@@ -378,7 +378,7 @@ class SidecarLink:
         if client is None or client.local is None or self.handshake != "ready" or model != self.model:
             return False
         try:
-            done = client.local.record(model, **record)
+            done = client.local.record(model, **record, trace=tuple((k, v) for k, v in trace if k in _TRACE_KEYS))
         except InvalidArgumentError as exc:
             self.stats.records["refused"] += 1
             self._refused(str(exc))

@@ -202,7 +202,7 @@ class RequestRecorder:
                       "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason,
                       "cache_salt": self.cache_salt, "prompt_add_special_tokens": self.add_special_tokens}
             t0 = time.perf_counter()
-            if self.runtime.link.record_here(self.model, record):
+            if self.runtime.link.record_here(self.model, record, self.trace):
                 stats.observe_record_wait(time.perf_counter() - t0, timed_out=False)
                 continue
             done = loop.create_future() if loop is not None else None

@@ -48,7 +48,7 @@ _FAMILIES: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
                  "source", ("miss", "l0", "l1", "ar")),
     "fallbacks": ("tokcache_vllm_fallback", "Prompts tokenized by vLLM itself (sidecar not used), by reason",
                   "reason", ()),
-    "records": ("tokcache_vllm_records", "Finished outputs sent to RecordOutputs, by result",
+    "records": ("tokcache_vllm_records", "Finished outputs recorded, in this process or by RecordOutputs, by result",
                 "result", ("queued", "dropped", "recorded", "refused", "failed", "trimmed")),
     "record_skips": ("tokcache_vllm_record_skips", "Finished outputs not recorded, by reason", "reason", ()),
     "pending": ("tokcache_vllm_pending", "Recorded outputs marked as on their way in the node's segment (marked: "
@@ -103,7 +103,8 @@ class PluginStats:
 
     - ``tokenize``: prompts the sidecar tokenized, by decision source (miss, l0, l1, ar)
     - ``fallbacks``: prompts vLLM tokenized itself, by reason
-    - ``records``: queued, dropped (queue full), recorded, refused (by the sidecar), failed (transport),
+    - ``records``: recorded, refused (the output failed verification), failed (a store or transport
+      error), in this process or by the sidecar; queued, dropped (queue full) for the sidecar's;
       trimmed (an unfinished trailing character's ids left out, see ``held_back_tokens``)
     - ``record_skips``: finished choices not sent, by reason (stop_string, not_served, ...)
     - ``pending``: records marked as on their way and prompts that waited for one (the
