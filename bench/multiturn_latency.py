@@ -17,8 +17,8 @@ text at the last turn) and, turn by turn, has every contender tokenize the same 
                       recorded (``RecordOutput``, untimed) before the next turn, so reads
                       splice recorded outputs (kv-stable with AR entries: the Python path, as
                       the native fast path steps aside once the segment holds any);
-                      ``--ar`` adds it (off by default: its sidecar's work and its client's
-                      writer thread in this process move the other contenders' figures)
+                      ``--ar`` adds it (off by default: its sidecar's work and its records'
+                      verification in this process move the other contenders' figures)
 - ``tokcache-rpc``    the same over gRPC on a unix socket (``zero_rpc=False``: its
                       ``TokenizeStream``); ``--rpc-devices`` adds ``tokcache-rpc-unary``, the
                       same with the stream switched off (unary ``Tokenize`` calls)

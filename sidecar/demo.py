@@ -196,7 +196,7 @@ def main() -> int:
                   f"tokcache the recorded ids come back (decision 'ar') and only the new messages are prefilled.")
             stats = client.stats()
             print(f"client: {stats['tokenize']} decided in this process, {sum(stats['fallbacks'].values())} over "
-                  f"RPC; write-behind {stats['writes']}")
+                  f"RPC; their writes {stats['writes']}")
         return 0
     finally:
         proc.send_signal(signal.SIGTERM)

@@ -314,7 +314,7 @@ def extends(seq: str | bytes, old: str | bytes) -> bool:
 
 def _extended(text: str, items: list[Any], name: str) -> list[int]:
     """The indices, ascending, of the ``items`` whose str attribute ``name`` ``text`` starts with
-    (the reference of the C one, which allocates nothing: see the write-behind's related writes)."""
+    (the reference of the C one, which allocates nothing)."""
     out = []
     for k, item in enumerate(items):
         old = getattr(item, name)
