@@ -39,9 +39,8 @@ def untrack(ids: _L) -> _L:
     unchanged). A list of ints (or of tuples of ints: boundary spans) is in no cycle, and
     each collection of a process would visit every id of every list a reader keeps — ~1 M
     references for a few long conversations, each a memory access — so a client's memo
-    chains and encodings cost every collection of the caller's process nothing (measured:
-    11 -> 4 µs of collector time per request in 57 KB agent chats). Only for lists no caller
-    gets: it may put anything in its own."""
+    chains and encodings cost every collection of the caller's process nothing. Only for
+    lists no caller gets: it may put anything in its own."""
     return ids
 
 
@@ -73,9 +72,9 @@ def intern_ids(ids: list[int]) -> list[int]:
     results: tens of thousands of ids per conversation) refer to ints scattered over its
     heap, and each copy or release of a list writes to every one of them (reference counts).
     With one object per id value the ints a process touches are the few thousand distinct
-    ids its texts use, dense and warm in the CPU caches. bench/concurrency.py, 16 client
-    processes on 2 cores (three runs each, one A/B): 528-593 µs CPU per request against
-    649-724 without; one process sees no difference (its working set fits the caches).
+    ids its texts use, dense and warm in the CPU caches while requests come back to back
+    (an encoder's output is short: its ints are few). Chains read from the segment are
+    not interned (see :meth:`ListFormat.from_stored`).
     """
     if _native is None:
         return ids
@@ -253,14 +252,18 @@ class ListFormat(IdFormat["Chunks", list[int]]):
         return self.from_stored(data, 4)
 
     def from_stored(self, data: bytes, width: int) -> Chunks:
-        ids = untrack(unpack_interned(data, width))
+        # New int objects, not intern_ids' table: a chain read from the segment is thousands of
+        # ids in text order, each a random slot of the table and a random object to reference
+        # (a cache miss each once other processes ran meanwhile), where new ints are made in
+        # order, side by side: about half the cost of reading a chain on a paced node.
+        ids = untrack(unpack_ids(data if width == 4 else _widen(data)))
         return Chunks(((ids, len(ids)),) if ids else (), len(ids))
 
     def own(self, ids: list[int]) -> list[int]:
         return intern_ids(ids)
 
     def own_u32(self, data: bytes) -> list[int]:
-        return unpack_interned(data)
+        return unpack_ids(data)  # (new ints, as from_stored's)
 
     def from_list(self, ids: list[int]) -> Chunks:
         """``ids`` (now this container's: untracked, see :func:`untrack`) as Chunks."""
