@@ -109,15 +109,17 @@ def test_stream_requests_carry_their_own_trace_context(engine: ModelEngine, tmp_
     parents = ["1111111111111111", "2222222222222222"]
 
     async def body(c: AsyncSidecarClient) -> None:
-        call = c._channel.stream_stream("/tokcache.v1.Tokenizer/TokenizeStream",
-                                        request_serializer=pb.TokenizeStreamRequest.SerializeToString,
-                                        response_deserializer=pb.TokenizeStreamResponse.FromString)()
-        for i, parent in enumerate(parents):
-            await call.write(pb.TokenizeStreamRequest(
-                request=pb.TokenizeRequest(model="qwen3", text=f"own context {i}"),
-                traceparent=f"00-{TRACE_ID}-{parent}-01"))
-            assert (await call.read()).WhichOneof("result") == "response"
-        await call.done_writing()
+        # A raw stream (the client sets each request's traceparent itself) to the client's server.
+        async with grpc.aio.insecure_channel(c.address) as channel:
+            call = channel.stream_stream("/tokcache.v1.Tokenizer/TokenizeStream",
+                                         request_serializer=pb.TokenizeStreamRequest.SerializeToString,
+                                         response_deserializer=pb.TokenizeStreamResponse.FromString)()
+            for i, parent in enumerate(parents):
+                await call.write(pb.TokenizeStreamRequest(
+                    request=pb.TokenizeRequest(model="qwen3", text=f"own context {i}"),
+                    traceparent=f"00-{TRACE_ID}-{parent}-01"))
+                assert (await call.read()).WhichOneof("result") == "response"
+            await call.done_writing()
 
     spans = _run(engine, tmp_path, body).get_finished_spans()
     tok = [s for s in spans if s.name == "tokcache.v1.Tokenizer/Tokenize"]
