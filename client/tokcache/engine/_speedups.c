@@ -1448,6 +1448,154 @@ done:
     return out;
 }
 
+/* ---------------------------------------------------------------------------------- */
+/* segment_keys: the segment-AR keys of a verified output (record.segment_variants).     */
+
+/* Python's str.isspace for an ASCII byte. */
+static inline int ascii_space(unsigned char c) {
+    return c == ' ' || (c >= '\t' && c <= '\r') || (c >= 0x1c && c <= 0x1f);
+}
+
+/* Whether the UTF-8 sequence at d[i:end] (lead byte >= 0x80) may be a character Python's
+ * str.isspace calls whitespace (U+0085, U+00A0, U+1680, U+2000-U+200A, U+2028, U+2029,
+ * U+202F, U+205F, U+3000): their lead bytes are 0xC2, 0xE1, 0xE2 and 0xE3. */
+static int maybe_unicode_space(const unsigned char *d, Py_ssize_t i, Py_ssize_t end) {
+    unsigned char c = d[i];
+    if (c == 0xC2) return i + 1 < end && (d[i + 1] == 0x85 || d[i + 1] == 0xA0);
+    if (c == 0xE1) return i + 2 < end && d[i + 1] == 0x9A && d[i + 2] == 0x80;
+    if (c == 0xE3) return i + 2 < end && d[i + 1] == 0x80 && d[i + 2] == 0x80;
+    if (c == 0xE2) {
+        if (i + 2 >= end) return 1;
+        unsigned char c1 = d[i + 1], c2 = d[i + 2];
+        return (c1 == 0x80 && (c2 <= 0x8A || c2 == 0xA8 || c2 == 0xA9 || c2 == 0xAF)) || (c1 == 0x81 && c2 == 0x9F);
+    }
+    return 0;
+}
+
+/* Tokens ending exactly at byte ``off`` of the output (0 at 0; -1 inside a token): the
+ * first k with offs[k] >= off, plus one, when offs[k] == off (bisect_left). */
+static Py_ssize_t token_at(const uint32_t *offs, Py_ssize_t n, Py_ssize_t off) {
+    if (off == 0) return 0;
+    Py_ssize_t lo = 0, hi = n;
+    while (lo < hi) {
+        Py_ssize_t mid = lo + (hi - lo) / 2;
+        if ((Py_ssize_t)offs[mid] < off) lo = mid + 1; else hi = mid;
+    }
+    return (lo < n && (Py_ssize_t)offs[lo] == off) ? lo + 1 : -1;
+}
+
+static int span_cmp(const void *x, const void *y) {
+    const Py_ssize_t *a = (const Py_ssize_t *)x, *b = (const Py_ssize_t *)y;
+    if (a[0] != b[0]) return a[0] < b[0] ? -1 : 1;
+    return a[1] < b[1] ? -1 : (a[1] > b[1]);
+}
+
+PyDoc_STRVAR(segment_keys_doc,
+"segment_keys(data, offsets, spans, root, min_chars) -> list | None\n\n"
+"record.segment_variants and the keys Recorder._segments makes of them, for a verified output\n"
+"``data`` (UTF-8) whose tokens end at the byte ``offsets`` (packed LE uint32, the last one\n"
+"len(data)), cut at the boundary byte spans ``spans``: (key, first token, end token) for each\n"
+"variant in (start, end) byte order, those under ``min_chars`` characters left out unless they\n"
+"are the whole output; the key is the segment key of the variant's bytes (``root``, a Hasher fed\n"
+"the namespace's segment header, copied). None when a piece's edge may be non-ASCII whitespace\n"
+"(Python's Unicode strip decides those: the caller uses the reference).");
+
+static PyObject *py_segment_keys(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *data, *offsets, *spans, *root;
+    Py_ssize_t min_chars;
+    if (!PyArg_ParseTuple(args, "O!O!OOn", &PyBytes_Type, &data, &PyBytes_Type, &offsets, &spans, &root, &min_chars))
+        return NULL;
+    if (!hasher_api || Py_TYPE(root) != hasher_api->type) {
+        PyErr_SetString(PyExc_TypeError, "segment_keys: root must be the store extension's Hasher");
+        return NULL;
+    }
+    if (!PyList_Check(spans) && !Spans_Check(spans)) {
+        PyErr_SetString(PyExc_TypeError, "segment_keys: spans must be a list of (start, end)");
+        return NULL;
+    }
+    const unsigned char *d = (const unsigned char *)PyBytes_AS_STRING(data);
+    Py_ssize_t total = PyBytes_GET_SIZE(data), n_tok = PyBytes_GET_SIZE(offsets) / 4;
+    if (PyBytes_GET_SIZE(offsets) % 4 || n_tok == 0) {
+        PyErr_SetString(PyExc_ValueError, "segment_keys: offsets must be packed uint32, at least one");
+        return NULL;
+    }
+    uint32_t *offs = PyMem_Malloc((size_t)n_tok * sizeof(uint32_t));
+    Py_ssize_t n = spans_len(spans), cap = 1 + 6 * (n + 1);
+    Py_ssize_t *cand = PyMem_Malloc((size_t)cap * 2 * sizeof(Py_ssize_t));
+    PyObject *out = NULL;
+    if (!offs || !cand) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    memcpy(offs, PyBytes_AS_STRING(offsets), (size_t)n_tok * 4);  /* (little-endian hosts only) */
+    if ((Py_ssize_t)offs[n_tok - 1] != total) {
+        PyErr_SetString(PyExc_ValueError, "segment_keys: the offsets do not end at len(data)");
+        goto done;
+    }
+    Py_ssize_t nc = 0, a = 0;
+    cand[nc * 2] = 0, cand[nc * 2 + 1] = total, nc++;
+    for (Py_ssize_t i = 0; i <= n; i++) {
+        Py_ssize_t s_i = total, e_i = total;
+        if (i < n && span_at(spans, i, &s_i, &e_i) < 0) goto done;
+        if (s_i < a || e_i < s_i || e_i > total) {
+            PyErr_SetString(PyExc_ValueError, "segment_keys: spans out of order");
+            goto done;
+        }
+        /* The piece d[a:s_i]: its heads (0, after leading newlines, after leading whitespace)
+         * and tails (its end, before trailing whitespace), in bytes. */
+        Py_ssize_t nl = a, ws = a, rt = s_i;
+        while (nl < s_i && d[nl] == '\n') nl++;
+        while (ws < s_i && d[ws] < 0x80 && ascii_space(d[ws])) ws++;
+        if (ws < s_i) {
+            if (d[ws] >= 0x80 && maybe_unicode_space(d, ws, s_i)) goto unicode;
+            while (rt > ws && d[rt - 1] < 0x80 && ascii_space(d[rt - 1])) rt--;
+            if (d[rt - 1] >= 0x80) {
+                Py_ssize_t lead = rt - 1;
+                while (lead > ws && (d[lead] & 0xC0) == 0x80) lead--;
+                if (maybe_unicode_space(d, lead, rt)) goto unicode;
+            }
+            Py_ssize_t heads[3] = {a, nl, ws}, tails[2] = {s_i, rt};
+            for (int h = 0; h < 3; h++)
+                for (int t = 0; t < 2; t++)
+                    if (heads[h] < tails[t]) cand[nc * 2] = heads[h], cand[nc * 2 + 1] = tails[t], nc++;
+        }  /* else whitespace only (in ASCII: a non-ASCII byte would have stopped ws) */
+        a = e_i;
+    }
+    qsort(cand, (size_t)nc, 2 * sizeof(Py_ssize_t), span_cmp);
+    out = PyList_New(0);
+    if (!out) goto done;
+    for (Py_ssize_t c = 0; c < nc; c++) {
+        Py_ssize_t ca = cand[c * 2], cb = cand[c * 2 + 1];
+        if (c && ca == cand[c * 2 - 2] && cb == cand[c * 2 - 1]) continue;  /* (a set) */
+        Py_ssize_t ka = token_at(offs, n_tok, ca), kb = token_at(offs, n_tok, cb);
+        if (ka < 0 || kb <= ka) continue;
+        if (!(ca == 0 && cb == total)) {
+            Py_ssize_t chars = 0;
+            for (Py_ssize_t q = ca; q < cb && chars < min_chars; q++) chars += (d[q] & 0xC0) != 0x80;
+            if (chars < min_chars) continue;
+        }
+        TkHashState h = ((TkHasher *)root)->state;
+        hasher_api->update(&h, d + ca, (size_t)(cb - ca));
+        unsigned char key[TK_KEY_SIZE];
+        hasher_api->finalize(&h, key, TK_KEY_SIZE);
+        PyObject *item = Py_BuildValue("(y#nn)", (const char *)key, (Py_ssize_t)TK_KEY_SIZE, ka, kb);
+        if (!item || PyList_Append(out, item) < 0) {
+            Py_XDECREF(item);
+            Py_CLEAR(out);
+            goto done;
+        }
+        Py_DECREF(item);
+    }
+    goto done;
+unicode:
+    out = Py_NewRef(Py_None);
+done:
+    PyMem_Free(offs);
+    PyMem_Free(cand);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"intern", py_intern, METH_VARARGS, intern_doc},
     {"unpack", py_unpack, METH_VARARGS, unpack_doc},
@@ -1459,6 +1607,7 @@ static PyMethodDef methods[] = {
     {"extend", py_extend, METH_VARARGS, extend_doc},
     {"join", py_join, METH_VARARGS, join_doc},
     {"segment_probe", py_segment_probe, METH_VARARGS, segment_probe_doc},
+    {"segment_keys", py_segment_keys, METH_VARARGS, segment_keys_doc},
     {NULL, NULL, 0, NULL},
 };
 

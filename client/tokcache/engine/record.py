@@ -46,7 +46,7 @@ from tokcache.engine.memo import ChainMemo
 from tokcache.engine.tokenbytes import TokenBytes
 from tokcache.ids import pack_ids, unpack_ids
 from tokcache.store import F_SEGMENT, Kind, RecordRef, Store, StoreError
-from tokcache.store.keys import MODE_KV_STABLE, l0_key, output_key, segment_key
+from tokcache.store.keys import MODE_KV_STABLE, l0_key, output_key, segment_key, segment_root
 
 __all__ = ["OutputChecks", "RecordResult", "Recorder", "Segment", "Served", "VerifiedOutput", "segment_variants",
            "verify_output", "verify_segment"]
@@ -431,10 +431,21 @@ class Recorder(Generic[Ids, Out]):
         entry's start): (the put, its keys); none when no variant is long enough."""
         keys: list[tuple[bytes, int, Kind, int]] = []
         spans = self.model.scanner.find_spans(out_data)
-        for seg in segment_variants(output_text, out, self.checks.token_bytes, spans, out_data):
-            if len(seg.text) < MIN_SEGMENT_BYTES and seg.text != output_text:
-                continue  # a tiny fragment ("\n") would splice into unrelated text
-            keys.append((segment_key(salt, MODE_KV_STABLE, seg.text.encode("utf-8")), seg.end, Kind.AR, seg.start))
+        table = self.checks.token_bytes
+        packed = table.packed_offsets(out) if table is not None and out_data else None
+        # (segment_variants and the keys below in one C pass, when no piece's edge needs
+        # Python's Unicode whitespace rules)
+        found = None if packed is None or len(packed) // 4 != len(out) or int.from_bytes(packed[-4:], "little") != \
+            len(out_data) else _native.segment_keys(out_data, packed, spans, segment_root(salt, MODE_KV_STABLE),
+                                                    MIN_SEGMENT_BYTES)
+        if found is not None:
+            keys = [(key, end, Kind.AR, start) for key, start, end in found]
+        else:
+            for seg in segment_variants(output_text, out, table, spans, out_data):
+                if len(seg.text) < MIN_SEGMENT_BYTES and seg.text != output_text:
+                    continue  # a tiny fragment ("\n") would splice into unrelated text
+                keys.append((segment_key(salt, MODE_KV_STABLE, seg.text.encode("utf-8")), seg.end, Kind.AR,
+                             seg.start))
         if not keys:
             return []
         return [((None, 0, pack_ids(out), keys, Kind.AR, F_SEGMENT), keys)]

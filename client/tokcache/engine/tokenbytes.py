@@ -124,6 +124,13 @@ class TokenBytes:
             return got.decode("utf-8", "replace").encode("utf-8", "surrogatepass") == data
         return False
 
+    def packed_offsets(self, ids: list[int]) -> bytes | None:
+        """:meth:`offsets` as packed LE uint32, from the C extension (None without it, or if
+        an id has no token)."""
+        if _native is None:
+            return None
+        return _native.token_bytes(self._blob, self._starts, self._present, ids, True)  # type: ignore[no-any-return]
+
     def offsets(self, ids: list[int]) -> list[int] | None:
         """Cumulative byte offsets after each token (None if an id has no token)."""
         if _native is not None:

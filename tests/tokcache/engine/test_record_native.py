@@ -9,6 +9,7 @@ are the ones a read served (a wrong True chains the output to ids the caller nev
 
 from __future__ import annotations
 
+import functools
 import random
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from tokcache.engine.ids import LISTS, Chunks, joined
 from tokcache.engine.record import Served
 from tokcache.engine.tokenbytes import TokenBytes
 from tokcache.native import pure_python
+from tokcache.sidecar.bundled import qwen3_dir
 
 pytestmark = pytest.mark.skipif(pure_python(), reason="TOKCACHE_PURE_PYTHON=1: no native helpers")
 
@@ -215,3 +217,48 @@ def test_served_matches_the_same_in_c_and_python(data: st.DataObject) -> None:
         finally:
             record_mod._native = native
         assert got is want is packed is (caller == ids), (caller, ids)
+
+
+@functools.lru_cache(maxsize=1)
+def _qwen() -> tuple[TokenBytes, tokenizers.Tokenizer]:
+    path = qwen3_dir() / "tokenizer.json"
+    table = TokenBytes.from_tokenizer_json(path)
+    assert table is not None
+    return table, tokenizers.Tokenizer.from_file(str(path))
+
+
+_PIECES = ["Hello", " world", "\n", "\n\n", "  ", "\t", "é", "日本", "\u3000", "\u00a0", "\u2009", "\u2028", "\x1c",
+           "—", "x", "42", "<think>", "</think>", "<tool_call>", "{\"a\": 1}", "🙂", "\u0085", "\u200b"]
+
+
+@pytest.mark.skipif(pure_python(), reason="compares the C extension with the Python reference")
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.sampled_from(_PIECES), min_size=1, max_size=24), st.sampled_from(["", "tenant"]))
+def test_segment_keys_are_the_variants_keys_of_the_reference(pieces: list[str], salt: str) -> None:
+    """The C pass (variants, their token ends, the character floor, the keys) gives what
+    segment_variants and segment_key give, in the same order, for outputs cut at boundary
+    tokens, with ASCII and Unicode whitespace at the pieces' edges; or None, and then only
+    where a piece's edge may be Unicode whitespace."""
+    from tokcache.store.keys import MODE_KV_STABLE, segment_key, segment_root
+
+    text = "".join(pieces)
+    table, ref = _qwen()
+    ids = ref.encode(text, add_special_tokens=False).ids
+    data = text.encode("utf-8")
+    packed = table.packed_offsets(ids)
+    assert packed is not None and int.from_bytes(packed[-4:], "little") == len(data)
+    spans = []
+    for tag in ("<think>", "</think>", "<tool_call>"):
+        start = data.find(tag.encode())
+        while start >= 0:
+            spans.append((start, start + len(tag)))
+            start = data.find(tag.encode(), start + 1)
+    spans.sort()  # (the tags never overlap)
+    want = [(segment_key(salt, MODE_KV_STABLE, seg.text.encode("utf-8")), seg.start, seg.end)
+            for seg in record_mod.segment_variants(text, ids, table, spans, data)
+            if len(seg.text) >= record_mod.MIN_SEGMENT_BYTES or seg.text == text]
+    got = _native.segment_keys(data, packed, spans, segment_root(salt, MODE_KV_STABLE), record_mod.MIN_SEGMENT_BYTES)
+    if got is None:
+        assert any(c in text for c in "\u3000\u00a0\u2009\u2028\u0085"), text
+        return
+    assert got == want, text
