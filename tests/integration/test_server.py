@@ -199,6 +199,9 @@ def test_unreachable_sidecar_is_a_typed_error(tmp_path: Path) -> None:
             c.tokenize("qwen3", text="x")
 
 
+# Three sidecar lives (SIGTERM, then SIGKILL) over one segment: process lifecycle, run once
+# (tests/conftest.py); re-attaching a segment is checked on every Python by test_store_attach.
+@pytest.mark.once
 def test_restart_reattaches_warm_cache(tmp_path: Path, qwen3_path: Path, shm_prefix: str) -> None:
     text = "<|im_start|>user\n" + "warm cache " * 200 + "<|im_end|>\n<|im_start|>assistant\n"
     first = SidecarProcess(tmp_path, {"qwen3": qwen3_path}, shm_prefix).start()
