@@ -39,9 +39,18 @@ $(STAMP): pyproject.toml $(NATIVE_SRC) | build-deps
 demo: $(STAMP)
 	$(PY) -m tokcache.sidecar.demo
 
-# The whole suite on the default Python, its portable part on every other supported Python,
-# the plugin against each verified vLLM's real classes, then the real-vLLM end-to-end run.
-test: unit unit-pythons versions e2e
+# The whole suite on the default Python and its portable part on every other supported Python,
+# side by side (the default Python's run is one process that spends much of its time waiting
+# on sidecars, subprocesses and sleeps, which the other Pythons' runs fill; each run uses its
+# own shm prefixes, sockets and ports, as the other Pythons' runs already do among themselves);
+# then the plugin against each verified vLLM's real classes, then the real-vLLM end-to-end run.
+# unit's output is live; the other Pythons' logs are printed as each ends
+# (scripts/unit_pythons.sh). The venvs are made first, one at a time: their editable installs
+# build into the same source tree.
+test:
+	@$(MAKE) --no-print-directory $(STAMP) $(foreach v,$(EXTRA_VENVS),$(v)/.installed) redis-server
+	@$(MAKE) --no-print-directory -j2 unit unit-pythons
+	@$(MAKE) --no-print-directory versions e2e
 
 unit: $(STAMP) redis-server
 	$(PY) -m pytest -q
