@@ -73,8 +73,8 @@ def intern_ids(ids: list[int]) -> list[int]:
     heap, and each copy or release of a list writes to every one of them (reference counts).
     With one object per id value the ints a process touches are the few thousand distinct
     ids its texts use, dense and warm in the CPU caches while requests come back to back
-    (an encoder's output is short: its ints are few). Chains read from the segment are
-    not interned (see :meth:`ListFormat.from_stored`).
+    (an encoder's output is short: its ints are few), and reading a long chain from the
+    segment allocates no int (see :meth:`ListFormat.from_stored`).
     """
     if _native is None:
         return ids
@@ -252,18 +252,17 @@ class ListFormat(IdFormat["Chunks", list[int]]):
         return self.from_stored(data, 4)
 
     def from_stored(self, data: bytes, width: int) -> Chunks:
-        # New int objects, not intern_ids' table: a chain read from the segment is thousands of
-        # ids in text order, each a random slot of the table and a random object to reference
-        # (a cache miss each once other processes ran meanwhile), where new ints are made in
-        # order, side by side: about half the cost of reading a chain on a paced node.
-        ids = untrack(unpack_ids(data if width == 4 else _widen(data)))
+        # intern_ids' ints: a chain of a long conversation is tens of thousands of ids, and new
+        # int objects for them would be megabytes of fresh memory per read, freed after it and
+        # faulted in again by the next (the table's ints are already there).
+        ids = untrack(unpack_interned(data, width))
         return Chunks(((ids, len(ids)),) if ids else (), len(ids))
 
     def own(self, ids: list[int]) -> list[int]:
         return intern_ids(ids)
 
     def own_u32(self, data: bytes) -> list[int]:
-        return unpack_ids(data)  # (new ints, as from_stored's)
+        return unpack_interned(data)
 
     def from_list(self, ids: list[int]) -> Chunks:
         """``ids`` (now this container's: untracked, see :func:`untrack`) as Chunks."""
