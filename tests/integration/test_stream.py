@@ -98,7 +98,7 @@ def test_sync_client_streams_and_matches_unary(sidecar: SidecarProcess, qwen3_pa
             unary = stub.Tokenize(pb.TokenizeRequest(model="qwen3", text=text, add_special_tokens=False,
                                                      cache_salt=salt))
             assert list(memoryview(unary.token_ids).cast("I")) == r.token_ids
-            assert unary.decision.source == pb.CACHE_SOURCE_L0  # the write-behind landed first
+            assert unary.decision.source == pb.CACHE_SOURCE_L0  # the streamed read stored its entries first
         assert sources[0] == "miss" and set(sources[1:]) == {"l1"}
         # Errors are the unary call's typed errors, and the stream survives them.
         with pytest.raises(UnknownModelError, match="nope"):

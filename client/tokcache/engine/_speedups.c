@@ -186,8 +186,8 @@ static inline Py_ssize_t match_at(const Matcher *m, const unsigned char *data, P
 /* A read keeps its text's spans for the next turn, which copies its base's stable    */
 /* ones and appends what it scanned. As a list of (int, int) tuples that copy was a    */
 /* reference-count write to each of ~1000 tuples spread over the heap, and freeing the */
-/* base's list another (1.5 us warm, 12.8 us with the tuples out of the caches, in a   */
-/* micro-benchmark: what 16 processes sharing 2 cores see after every switch); as one  */
+/* base's list another (1.5 us warm, 12.8 us with the tuples out of the caches, as a  */
+/* process sharing its cores with many others finds them after every switch); as one   */
 /* array it is a memcpy (1.8 us cold). To Python it is a read-only sequence of         */
 /* (start, end) tuples, made on access (untracked: two ints), equal to a list of the   */
 /* same tuples; a slice is such a list. Not a container of objects: no GC.             */
@@ -1095,57 +1095,6 @@ static PyObject *py_common_prefix(PyObject *self, PyObject *args) {
     return PyLong_FromSsize_t(i);
 }
 
-/* ---------------------------------------------------------------------------------- */
-/* extended: which of many texts a text starts with (the write-behind's related writes).   */
-
-PyDoc_STRVAR(extended_doc,
-"extended(text, items, name) -> list[int]\n\n"
-"The indices, ascending, of the objects in the list ``items`` whose str attribute ``name`` is\n"
-"a prefix of the str ``text`` (boundaries.extended is the reference). A longer one is skipped\n"
-"by its length and most others by their last character, with nothing allocated: the\n"
-"write-behind asks it of every queued write at every request. TypeError when an attribute is\n"
-"not a str.");
-
-static PyObject *py_extended(PyObject *self, PyObject *args) {
-    PyObject *text, *items, *name;
-    if (!PyArg_ParseTuple(args, "UO!U", &text, &PyList_Type, &items, &name)) return NULL;
-    PyObject *out = PyList_New(0);
-    if (!out) return NULL;
-    Py_ssize_t n = PyUnicode_GET_LENGTH(text);
-    int kind = PyUnicode_KIND(text);
-    const void *data = PyUnicode_DATA(text);
-    /* An attribute lookup may run Python code (a property) that changes ``items``: each item is
-     * held while its attribute is read, and the length is read again at every step. */
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(items); i++) {
-        PyObject *item = Py_NewRef(PyList_GET_ITEM(items, i));
-        PyObject *old = PyObject_GetAttr(item, name);
-        Py_DECREF(item);
-        if (!old) goto fail;
-        if (!PyUnicode_Check(old)) {
-            PyErr_Format(PyExc_TypeError, "extended: item %zd's %U is %.200s, not str", i, name, Py_TYPE(old)->tp_name);
-            Py_DECREF(old);
-            goto fail;
-        }
-        Py_ssize_t m = PyUnicode_GET_LENGTH(old), r = 0;
-        if (m <= n && (m == 0 || PyUnicode_READ(kind, data, m - 1) == PyUnicode_READ_CHAR(old, m - 1)))
-            r = PyUnicode_Tailmatch(text, old, 0, m, -1);
-        Py_DECREF(old);
-        if (r < 0) goto fail;
-        if (r) {
-            PyObject *iv = PyLong_FromSsize_t(i);
-            if (!iv || PyList_Append(out, iv) < 0) {
-                Py_XDECREF(iv);
-                goto fail;
-            }
-            Py_DECREF(iv);
-        }
-    }
-    return out;
-fail:
-    Py_DECREF(out);
-    return NULL;
-}
-
 PyDoc_STRVAR(untrack_doc,
 "untrack(ids) -> ids: stop the cyclic garbage collector from tracking the list ``ids``,\n"
 "which holds ints or tuples of ints only and so can be in no reference cycle. Collections\n"
@@ -1601,7 +1550,6 @@ static PyMethodDef methods[] = {
     {"unpack", py_unpack, METH_VARARGS, unpack_doc},
     {"pack", py_pack, METH_O, pack_doc},
     {"common_prefix", py_common_prefix, METH_VARARGS, common_prefix_doc},
-    {"extended", py_extended, METH_VARARGS, extended_doc},
     {"untrack", py_untrack, METH_O, untrack_doc},
     {"cut_tokens", py_cut_tokens, METH_VARARGS, cut_tokens_doc},
     {"extend", py_extend, METH_VARARGS, extend_doc},

@@ -44,7 +44,7 @@ def _load_native() -> Any:  # noqa: ANN401 - the extension module, or None
 
 _native: Any = _load_native()
 
-__all__ = ["BoundaryCheck", "BoundaryScanner", "Encoded", "Scan", "added_tokens", "check_boundaries", "extended",
+__all__ = ["BoundaryCheck", "BoundaryScanner", "Encoded", "Scan", "added_tokens", "check_boundaries",
            "extends"]
 
 # (a, b) pairs around each candidate token: whitespace on either side probes
@@ -310,22 +310,6 @@ def extends(seq: str | bytes, old: str | bytes) -> bool:
     m = len(old)
     return m <= len(seq) and seq[max(0, m - _MEMO_CHECK):m] == old[-_MEMO_CHECK:] \
         and seq.startswith(old)  # type: ignore[arg-type]  # old has seq's type
-
-
-def _extended(text: str, items: list[Any], name: str) -> list[int]:
-    """The indices, ascending, of the ``items`` whose str attribute ``name`` ``text`` starts with
-    (the reference of the C one, which allocates nothing)."""
-    out = []
-    for k, item in enumerate(items):
-        old = getattr(item, name)
-        if not isinstance(old, str):
-            raise TypeError(f"extended: item {k}'s {name} is {type(old).__name__}, not str")
-        if extends(text, old):
-            out.append(k)
-    return out
-
-
-extended = _native.extended if _native is not None else _extended
 
 
 def _anchor(n: int) -> int:

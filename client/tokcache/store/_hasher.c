@@ -3,7 +3,7 @@
  *
  * Why not hashlib's object: a key pass makes ~8 calls per request into the hasher, and
  * hashlib lets go of the GIL for an update of 2 KB or more; getting it back then waits for
- * whichever of the caller's threads took it meanwhile (a client's write-behind, gRPC's) for
+ * whichever of the caller's threads took it meanwhile (gRPC's, an application's) for
  * up to the interpreter's switch interval (5 ms), for hashing that takes microseconds. This
  * one never lets it go: SHA-256 runs at ~1.5 GB/s here (SHA-NI), so even an 8 MB text holds
  * it for ~5 ms, one switch interval. Its state is also what the engine extension's key pass

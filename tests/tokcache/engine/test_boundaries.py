@@ -297,51 +297,6 @@ def test_common_prefix_native_equals_reference() -> None:
             assert fn(a, b) == want == fn(b, a)
 
 
-def test_extended_native_equals_reference() -> None:
-    """Which queued texts a text extends: the C walk (no allocation) and the Python reference agree,
-    across str kinds (latin-1, BMP, astral: an emoji turns a whole text into 4 bytes a character),
-    texts equal to, longer than and differing from the text at their last character or earlier."""
-    import random
-    from types import SimpleNamespace
-
-    rng = random.Random(11)
-    alphabet = ["a", "b", "\n", "é", "你", "🛠", "\x00"]
-    fns = [boundaries._extended] + ([boundaries._native.extended] if boundaries._native else [])
-    for _ in range(400):
-        text = "".join(rng.choice(alphabet[:rng.randint(1, len(alphabet))]) for _ in range(rng.randint(0, 300)))
-        olds = []
-        for _ in range(rng.randint(0, 12)):
-            cut = rng.randint(0, len(text))
-            old = text[:cut]
-            roll = rng.random()
-            if roll < 0.3 and old:  # differs at its last character, or somewhere before
-                at = rng.choice([len(old) - 1, rng.randrange(len(old))])
-                old = old[:at] + rng.choice([c for c in alphabet if c != old[at]]) + old[at + 1:]
-            elif roll < 0.4:
-                old = text + rng.choice(alphabet)  # longer than the text
-            olds.append(SimpleNamespace(text=old))
-        want = [k for k, o in enumerate(olds) if text.startswith(o.text)]
-        for fn in fns:
-            assert fn(text, olds, "text") == want
-    for fn in fns:
-        with pytest.raises(TypeError, match="not str"):
-            fn("abc", [SimpleNamespace(text=b"ab")], "text")
-
-    class Clearing:  # an attribute whose lookup empties the list being walked
-        def __init__(self, items: list[object]) -> None:
-            self.items = items
-
-        @property
-        def text(self) -> str:
-            self.items.clear()
-            return "a"
-
-    for fn in fns:
-        items: list[object] = []
-        items += [Clearing(items), SimpleNamespace(text="a"), SimpleNamespace(text="ab")]
-        assert fn("abc", items, "text") == [0]
-
-
 def test_scan_memo_tells_conversations_apart(qwen3_path: Path) -> None:
     """Many conversations of one agent share a long system prompt; each turn still finds its
     own previous turn (only the new text is scanned), the result equals a full scan, and the
