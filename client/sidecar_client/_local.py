@@ -22,7 +22,8 @@ this adds no trust):
 * **Other reads** (a process that only tokenizes, exact-mode reads) store their entries
   before returning, when they encoded at least ``min_write_bytes`` of new text: less would
   cost this process more than another process's re-encoding of it (which it saves).
-* A prompt whose record never comes (an aborted request) is stored when it leaves the
+* A prompt whose record does not come within ``RECORD_DEFER_S`` (an aborted request, a
+  ``/tokenize`` call) is stored by this process's next read or record, when it leaves the
   bounded table of served prompts, or by :meth:`LocalModel.flush`.
 
 A process that cannot write the segment hands writes to the sidecar: a read's as a
