@@ -485,9 +485,6 @@ class TokcacheContender(Contender):
         out, ids = got
         self._client.record_output(TOKCACHE_MODEL, prompt_text=prompt, prompt_token_ids=prompt_ids, output_text=out,
                                    output_token_ids=ids, stop_reason=None, prompt_add_special_tokens=self._add)
-        # The gap before the next turn (the client reads the response, runs its tools): what
-        # the client still keeps for records that did not come is stored in it, untimed.
-        self._client.flush(5.0)
 
     def close_client(self) -> None:
         """Close this process's client and keep the sidecar serving (a benchmark whose own
@@ -495,12 +492,6 @@ class TokcacheContender(Contender):
         if self._client is not None:
             self._client.__exit__(None, None, None)
             self._client = None
-
-    def settle(self) -> None:
-        """Store what the client keeps for records that did not come (``SidecarClient.flush``),
-        between timed calls, not inside one."""
-        if self._client is not None:
-            self._client.flush(5.0)
 
     def client_stats(self) -> dict[str, Any]:
         return dict(self._client.stats()) if self._client is not None else {}

@@ -10,9 +10,7 @@ text at the last turn) and, turn by turn, has every contender tokenize the same 
 - ``smg``             SMG 1.13's ``/v1/tokenize`` with its L0+L1 cache, HTTP keep-alive
 - ``tokcache``        tokcache's default client (``SidecarClient``): reads the sidecar's shared
                       memory in this process, no RPC; what a read learned is stored within
-                      the call (in the latency); ``SidecarClient.flush`` after it, outside the
-                      timed call, stores what the client kept for records that did not come
-                      (its time is recorded as ``write_us``)
+                      the call (in the latency)
 - ``tokcache-ar``     the default client as vLLM's plugin uses it: each turn's output is
                       recorded (``RecordOutput``, untimed) before the next turn, so reads
                       splice recorded outputs (kv-stable with AR entries: the Python path, as
@@ -318,11 +316,6 @@ def run(args: argparse.Namespace) -> int:
                     finally:
                         gc.enable()
                     info = dict(c.last_info())
-                    settle = getattr(c, "settle", None)
-                    if settle is not None:  # the client's flush, timed apart (after the reply)
-                        w0 = time.perf_counter_ns()
-                        settle()
-                        info["write_us"] = round((time.perf_counter_ns() - w0) / 1000, 1)
                     e.samples.append(Sample(ci, turn, ns, pos, info))
                     if c.checked:
                         e.checked_calls += 1
@@ -658,11 +651,8 @@ def print_report(r: dict[str, Any]) -> None:
             f"  sources: {t['sources_turns_ge2']}; mean share of chars encoded: "
             + (f"{t['encoded_char_share_turns_ge2']:.1%}" if t["encoded_char_share_turns_ge2"] is not None else "—")
         )
-        writes = [s["write_us"] for s in cs["tokcache"]["samples"] if s.get("write_us") is not None]
         served = Counter(s.get("served_by") for s in cs["tokcache"]["samples"])
-        if writes:
-            print(f"  served by: {dict(served)}; flush after each call (not in the latency): "
-                  f"p50 {_us(percentile(writes, 50))}, p90 {_us(percentile(writes, 90))}")
+        print(f"  served by: {dict(served)}")
         for d in t["shm_per_conversation"]:
             used, res_ = d.get("used_bytes"), d.get("resident_bytes")
             print(
