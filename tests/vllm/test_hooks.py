@@ -156,7 +156,8 @@ def test_registries() -> None:
 
 @pytest.mark.parametrize("version,ok", [
     ("0.32.0", True), ("0.32.1.dev12+g1234", True), ("0.33.0+cu128", True), ("0.34.0", True),
-    ("0.31.2", False), ("0.35.0", False), ("1.0.0", False), ("dev", False),
+    ("0.31.2", False), ("0.35.0", False), ("1.0.0", False), ("dev", False), ("v0.33.1", True),
+    ("0.34", True), ("0.34.0+cpu", True), ("0.3.4", False), ("", False),
 ])
 def test_verified_versions(version: str, ok: bool) -> None:
     verified, line = check_vllm_version(version)

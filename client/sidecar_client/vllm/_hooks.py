@@ -25,10 +25,11 @@ import importlib
 import inspect
 import logging
 import os
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from packaging.version import InvalidVersion, Version
 
 __all__ = [
     "BYPASS_NOTED_ENV",
@@ -58,8 +59,12 @@ _STATES = ("verified", "unverified", "hook_missing", "broken_install", "rust_fro
 
 
 def _minor(version: str) -> str | None:
-    m = re.match(r"\s*v?(\d+)\.(\d+)", version)
-    return f"{int(m.group(1))}.{int(m.group(2))}" if m else None
+    """``"0.34"`` for ``"0.34.0+cpu"`` and the like (PEP 440, as pip reads it), else None."""
+    try:
+        v = Version(version.strip())
+    except InvalidVersion:
+        return None
+    return f"{v.major}.{v.minor}"
 
 
 def check_vllm_version(version: str) -> tuple[bool, str]:
