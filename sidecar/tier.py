@@ -411,8 +411,10 @@ class TierFeed:
             try:
                 head = store.head()
                 cursor = self._cursors.get(name)
-                if cursor is None or cursor > head:
-                    cursor = head if cursor is None else 0
+                if cursor is None:  # first seen now
+                    cursor = head
+                elif cursor > head:  # a log created again under the name
+                    cursor = 0
                 cursor, items = store.follow(cursor, limit=FOLLOW_RECORDS)
             except Exception as exc:  # the cursor stays: the next pass resumes there
                 log.debug("cluster tier: following %s failed: %r", name, exc)

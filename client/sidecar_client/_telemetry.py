@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -77,10 +77,11 @@ def _make_own_tracer() -> Any:  # noqa: ANN401
     return _own_provider.get_tracer("sidecar_client")
 
 
-def trace_local(model: str, fingerprint: str, result: TokenizeResult, mode: str, salted: bool, start_ns: int,
-                carrier: Sequence[tuple[str, str]] = ()) -> None:
-    """Record one in-process Tokenize as a span (started at perf_counter ``start_ns``), a child
-    of the W3C context in ``carrier`` (traceparent/tracestate) or else the current one. Never raises."""
+def _span(name: str, start_ns: int, carrier: Sequence[tuple[str, str]],
+          attributes: Callable[[], dict[str, Any]]) -> None:
+    """One finished span ``name`` (started at perf_counter ``start_ns``, ended now), a child of
+    the W3C context in ``carrier`` (traceparent/tracestate) or else the current one; its
+    ``attributes()`` made only when it records. Never raises."""
     if _otel_trace is None:
         return
     try:
@@ -90,42 +91,35 @@ def trace_local(model: str, fingerprint: str, result: TokenizeResult, mode: str,
         context = _extract({k.lower(): v for k, v in carrier}) if carrier else None
         elapsed = time.perf_counter_ns() - start_ns
         end = time.time_ns()
-        span = tracer.start_span("tokcache.Tokenize", context=context, start_time=end - elapsed)
+        span = tracer.start_span(name, context=context, start_time=end - elapsed)
         if span.is_recording():
-            d = result.decision
-            span.set_attributes({
-                "tokcache.model": model, "tokcache.fingerprint": fingerprint, "tokcache.source": d.source,
-                "tokcache.cached_tokens": d.cached_tokens, "tokcache.cached_chars": d.cached_chars,
-                "tokcache.encoded_chars": d.encoded_chars, "tokcache.ar_spliced_tokens": d.ar_spliced_tokens,
-                "tokcache.boundary_count": d.boundaries, "tokcache.salt_present": salted,
-                "tokcache.backend": result.backend, "tokcache.num_tokens": len(result.token_ids),
-                "tokcache.mode": mode, "tokcache.served_by": "local",
-            })
+            span.set_attributes(attributes())
         span.end(end_time=end)
     except Exception:  # telemetry never fails a request
         return
+
+
+def trace_local(model: str, fingerprint: str, result: TokenizeResult, mode: str, salted: bool, start_ns: int,
+                carrier: Sequence[tuple[str, str]] = ()) -> None:
+    """Record one in-process Tokenize as a ``tokcache.Tokenize`` span (see :func:`_span`)."""
+    def attributes() -> dict[str, Any]:
+        d = result.decision
+        return {
+            "tokcache.model": model, "tokcache.fingerprint": fingerprint, "tokcache.source": d.source,
+            "tokcache.cached_tokens": d.cached_tokens, "tokcache.cached_chars": d.cached_chars,
+            "tokcache.encoded_chars": d.encoded_chars, "tokcache.ar_spliced_tokens": d.ar_spliced_tokens,
+            "tokcache.boundary_count": d.boundaries, "tokcache.salt_present": salted,
+            "tokcache.backend": result.backend, "tokcache.num_tokens": len(result.token_ids),
+            "tokcache.mode": mode, "tokcache.served_by": "local",
+        }
+    _span("tokcache.Tokenize", start_ns, carrier, attributes)
 
 
 def trace_local_record(model: str, fingerprint: str, result: str, recorded_tokens: int, entries: int,
                        start_ns: int, carrier: Sequence[tuple[str, str]] = ()) -> None:
-    """Record one in-process RecordOutput as a span (``result``: "recorded" or "refused"),
-    a child of the W3C context in ``carrier`` or else the current one. Never raises."""
-    if _otel_trace is None:
-        return
-    try:
-        tracer = _current_tracer()
-        if tracer is None:
-            return
-        context = _extract({k.lower(): v for k, v in carrier}) if carrier else None
-        elapsed = time.perf_counter_ns() - start_ns
-        end = time.time_ns()
-        span = tracer.start_span("tokcache.RecordOutput", context=context, start_time=end - elapsed)
-        if span.is_recording():
-            span.set_attributes({
-                "tokcache.model": model, "tokcache.fingerprint": fingerprint, "tokcache.result": result,
-                "tokcache.recorded_tokens": recorded_tokens, "tokcache.entries": entries,
-                "tokcache.served_by": "local",
-            })
-        span.end(end_time=end)
-    except Exception:  # telemetry never fails a request
-        return
+    """Record one in-process RecordOutput as a ``tokcache.RecordOutput`` span (``result``:
+    "recorded" or "refused"; see :func:`_span`)."""
+    _span("tokcache.RecordOutput", start_ns, carrier, lambda: {
+        "tokcache.model": model, "tokcache.fingerprint": fingerprint, "tokcache.result": result,
+        "tokcache.recorded_tokens": recorded_tokens, "tokcache.entries": entries, "tokcache.served_by": "local",
+    })

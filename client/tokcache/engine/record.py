@@ -432,12 +432,7 @@ class Recorder(Generic[Ids, Out]):
         keys: list[tuple[bytes, int, Kind, int]] = []
         spans = self.model.scanner.find_spans(out_data)
         table = self.checks.token_bytes
-        packed = table.packed_offsets(out) if table is not None and out_data else None
-        # (segment_variants and the keys below in one C pass, when no piece's edge needs
-        # Python's Unicode whitespace rules)
-        found = None if packed is None or len(packed) // 4 != len(out) or int.from_bytes(packed[-4:], "little") != \
-            len(out_data) else _native.segment_keys(out_data, packed, spans, segment_root(salt, MODE_KV_STABLE),
-                                                    MIN_SEGMENT_BYTES)
+        found = self._native_segment_keys(out, out_data, spans, salt)
         if found is not None:
             keys = [(key, end, Kind.AR, start) for key, start, end in found]
         else:
@@ -449,6 +444,19 @@ class Recorder(Generic[Ids, Out]):
         if not keys:
             return []
         return [((None, 0, pack_ids(out), keys, Kind.AR, F_SEGMENT), keys)]
+
+    def _native_segment_keys(self, out: list[int], out_data: bytes, spans: Any,
+                             salt: str) -> list[tuple[bytes, int, int]] | None:
+        """segment_variants and their keys in one C pass: (key, start, end) each, or None when
+        the reference must run (no byte table or extension, ids whose bytes are not exactly
+        ``out_data``: a lossy decode, or a piece's edge that needs Python's Unicode whitespace
+        rules)."""
+        table = self.checks.token_bytes
+        packed = table.packed_offsets(out) if table is not None and out_data else None
+        if packed is None or len(packed) // 4 != len(out) or int.from_bytes(packed[-4:], "little") != len(out_data):
+            return None
+        return _native.segment_keys(out_data, packed, spans, segment_root(salt, MODE_KV_STABLE),  # type: ignore[no-any-return]
+                                    MIN_SEGMENT_BYTES)
 
     def _put_many(self, puts: list[_Put]) -> list[RecordRef | None]:
         """``Store.put_many``: a ref per put (None: its parent is gone); an empty list when
