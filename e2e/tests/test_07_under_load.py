@@ -32,7 +32,8 @@ PROMPTS = ROUNDS * CONVS * TURNS
 LATER = ROUNDS * CONVS * (TURNS - 1)  # turns 2..5, which extend the turn before
 SEED = 70_000
 OPENS = "tokcache_vllm_breaker_opens_total"
-WAIT_P50_S, WAIT_P99_S = 0.001, 0.005  # a response's wait for its record stored in its own process
+# A response's wait for its record stored in its own process (p99 bound: see test_05's)
+WAIT_P50_S, WAIT_P99_S = 0.001, 0.05
 
 
 def test_three_rounds_of_concurrent_conversations_lose_no_ids(plugin: VllmServer,
