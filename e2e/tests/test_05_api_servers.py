@@ -75,8 +75,7 @@ def exact_table(title: str, runs: Mapping[str, Sequence[ConvTurn]]) -> str:
 
 
 # A response waits for its record stored in vLLM's own process: at most this at the median and
-# at the 99th percentile (histogram quantiles, interpolated in its buckets).
-# A response's wait for its record stored in its own process. The p99 of 48 waits is their
+# at the 99th percentile (histogram quantiles, interpolated in its buckets). The p99 of 48 waits is their
 # slowest, which one descheduling on 2 shared cores takes past 10 ms: the bound catches a
 # record that went back to an RPC (7-10 ms at p50), not the machine's noise.
 WAIT_P50_S, WAIT_P99_S = 0.001, 0.05
